@@ -1,0 +1,103 @@
+"""Assertions that accumulated gradients equal the single large-batch gradient."""
+
+from typing import Any
+
+import chex
+import jax
+import numpy as np
+
+from jaxaccum.grad import value_and_grad
+
+
+def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
+    """Per-leaf ``(path, max abs error, max relative error)`` of two pytrees."""
+    errors = []
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(actual),
+        jax.tree.leaves(expected),
+        strict=True,
+    ):
+        a = np.asarray(a, np.float64)
+        b = np.asarray(b, np.float64)
+        abs_err = np.abs(a - b)
+        rel_err = abs_err / np.maximum(np.abs(b), np.finfo(np.float32).tiny)
+        errors.append(
+            (
+                jax.tree_util.keystr(path),
+                float(abs_err.max(initial=0.0)),
+                float(rel_err.max(initial=0.0)),
+            )
+        )
+    return errors
+
+
+def assert_grads_match_full_batch(
+    fun: Any,
+    *args: Any,
+    num_microbatches: int | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **value_and_grad_kwargs: Any,
+) -> None:
+    """Asserts that accumulated value and gradients equal the full-batch ones.
+
+    Computes ``jaxaccum.value_and_grad(fun, num_microbatches, **kwargs)`` and the
+    same with one micro-batch (exactly ``jax.value_and_grad`` on the whole
+    batch), both under ``jax.jit``, and compares values and gradients with
+    ``chex.assert_trees_all_close``. Aux outputs are not compared.
+
+    Args:
+      fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
+      *args: its positional arguments, batch included.
+      num_microbatches: ``N``; or pass ``microbatch_size`` in the kwargs.
+      rtol: relative tolerance.
+      atol: absolute tolerance.
+      **value_and_grad_kwargs: the other :func:`jaxaccum.value_and_grad`
+        arguments (``argnums``, ``batch_argnums``, ``reduction``, ...).
+
+    Raises:
+      AssertionError: naming the worst leaf, its max absolute and relative
+        error and ``N``, followed by chex's report.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxaccum
+      >>> loss = lambda w, x: jnp.mean(jnp.tanh(x @ w))
+      >>> jaxaccum.testing.assert_grads_match_full_batch(
+      ...     loss, jnp.ones(3), jnp.ones((8, 3)), num_microbatches=4)
+    """
+    reference_kwargs = {
+        key: value
+        for key, value in value_and_grad_kwargs.items()
+        if key != "microbatch_size"
+    }
+    accumulated = jax.jit(
+        value_and_grad(fun, num_microbatches, **value_and_grad_kwargs)
+    )(*args)
+    reference = jax.jit(value_and_grad(fun, 1, **reference_kwargs))(*args)
+    if value_and_grad_kwargs.get("has_aux", False):
+        accumulated = (accumulated[0][0], accumulated[1])
+        reference = (reference[0][0], reference[1])
+    try:
+        chex.assert_trees_all_close(accumulated, reference, rtol=rtol, atol=atol)
+    except AssertionError as error:
+        split = (
+            f"num_microbatches={num_microbatches}"
+            if num_microbatches is not None
+            else f"microbatch_size={value_and_grad_kwargs['microbatch_size']}"
+        )
+        errors = leaf_errors(
+            {"value": accumulated[0], "grads": accumulated[1]},
+            {"value": reference[0], "grads": reference[1]},
+        )
+        lines = [
+            f"  {path}: max abs error {abs_err:.3g}, max rel error {rel_err:.3g}"
+            for path, abs_err, rel_err in sorted(errors, key=lambda e: -e[1])
+            if abs_err > atol
+        ]
+        raise AssertionError(
+            f"Accumulated result with {split} does not match the full batch "
+            f"(rtol={rtol}, atol={atol}). Leaves that differ:\n"
+            + "\n".join(lines)
+            + f"\n{error}"
+        ) from None

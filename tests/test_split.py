@@ -1,0 +1,165 @@
+"""Strided splitting and the errors bad input gets."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxaccum
+
+
+def loss(params, batch):
+    return jnp.mean(batch["x"] @ params["w"])
+
+
+PARAMS = {"w": jnp.ones(3)}
+
+
+def test_split_batch_is_strided():
+    batch = {"x": jnp.arange(12).reshape(6, 2), "y": jnp.arange(6)}
+    micro = jaxaccum.split_batch(batch, 3)
+    assert micro["x"].shape == (3, 2, 2)
+    np.testing.assert_array_equal(micro["y"], [[0, 3], [1, 4], [2, 5]])
+    np.testing.assert_array_equal(micro["x"][1], batch["x"][1::3])
+
+
+def test_split_batch_matches_the_accumulation_order():
+    """Micro-batch k of split_batch is what value_and_grad feeds as micro-batch k."""
+    batch = {"x": jnp.arange(24.0).reshape(8, 3)}
+
+    def first_row(params, batch):
+        return loss(params, batch), batch["x"][0]
+
+    (_, firsts), _ = jaxaccum.value_and_grad(
+        first_row, 4, has_aux=True, aux_reduction="stack"
+    )(PARAMS, batch)
+    np.testing.assert_array_equal(firsts, jaxaccum.split_batch(batch, 4)["x"][:, 0])
+
+
+def errors(*args, **kwargs):
+    """Calls value_and_grad(loss, ...)(*args) and returns the exception raised."""
+    construct_kwargs = {k: v for k, v in kwargs.items() if k != "args"}
+    call_args = kwargs.get("args", (PARAMS, {"x": jnp.ones((12, 3))}))
+    with pytest.raises((ValueError, TypeError)) as info:
+        jaxaccum.value_and_grad(loss, *args, **construct_kwargs)(*call_args)
+    return info.value
+
+
+def test_not_divisible_lists_the_counts_that_work():
+    error = errors(5)
+    assert isinstance(error, ValueError)
+    message = str(error)
+    assert "Batch size 12 is not divisible by num_microbatches=5" in message
+    assert "[1, 2, 3, 4, 6, 12]" in message
+
+
+def test_microbatch_size_not_dividing():
+    message = str(errors(microbatch_size=5))
+    assert "microbatch_size=5" in message and "[1, 2, 3, 4, 6, 12]" in message
+
+
+def test_leaves_with_different_leading_sizes_are_named():
+    batch = {"x": jnp.ones((12, 3)), "mask": jnp.ones((10,))}
+    message = str(errors(2, args=(PARAMS, batch)))
+    assert "args[1]['mask']: 10" in message and "args[1]['x']: 12" in message
+    assert "same leading" in message
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_count_below_one(bad):
+    with pytest.raises(
+        ValueError, match=re.escape(f"num_microbatches must be >= 1, got {bad}")
+    ):
+        jaxaccum.value_and_grad(loss, bad)
+
+
+@pytest.mark.parametrize("bad", [2.0, True, jnp.array(2), "4"])
+def test_count_not_an_int(bad):
+    with pytest.raises(
+        TypeError, match="num_microbatches must be a positive Python int"
+    ):
+        jaxaccum.value_and_grad(loss, bad)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_microbatches": 2, "microbatch_size": 6}])
+def test_exactly_one_of_count_and_size(kwargs):
+    with pytest.raises(ValueError, match="exactly one of num_microbatches"):
+        jaxaccum.value_and_grad(loss, **kwargs)
+
+
+def test_scalar_batch_leaf_is_named():
+    batch = {"x": jnp.ones((12, 3)), "temperature": jnp.float32(0.5)}
+    message = str(errors(2, args=(PARAMS, batch)))
+    assert "args[1]['temperature'] is a scalar" in message
+    assert "non-batch argument" in message
+
+
+def test_integer_leaf_in_differentiated_argument_is_named():
+    params = {"w": jnp.ones(3), "step": jnp.array(3, jnp.int32)}
+    error = errors(2, args=(params, {"x": jnp.ones((12, 3))}))
+    assert isinstance(error, TypeError)
+    message = str(error)
+    assert "args[0]['step']" in message and "int32" in message
+    assert "Cast it to a float dtype" in message
+
+
+def test_overlapping_argnums():
+    with pytest.raises(ValueError, match="Argument 1 is in argnums and batch_argnums"):
+        jaxaccum.value_and_grad(loss, 2, argnums=1, batch_argnums=1)
+
+
+def test_unknown_reduction():
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        jaxaccum.value_and_grad(loss, 2, reduction="median")
+
+
+def test_bad_aux_reduction_names_the_options():
+    def with_aux(params, batch):
+        return loss(params, batch), {"a": jnp.ones(())}
+
+    for bad in ("median", {"b": "mean"}):
+        with pytest.raises(ValueError, match="aux"):
+            jaxaccum.value_and_grad(with_aux, 2, has_aux=True, aux_reduction=bad)(
+                PARAMS, {"x": jnp.ones((12, 3))}
+            )
+
+
+def test_too_few_arguments():
+    with pytest.raises(TypeError, match="at least 2 positional arguments"):
+        jaxaccum.value_and_grad(loss, 2)(PARAMS)
+
+
+def test_empty_batch():
+    with pytest.raises(ValueError, match="contain no arrays"):
+        jaxaccum.value_and_grad(loss, 2)(PARAMS, {})
+
+
+def test_split_batch_errors_name_the_leaf():
+    with pytest.raises(ValueError, match=r"batch\['y'\]: 5"):
+        jaxaccum.split_batch({"x": jnp.ones(4), "y": jnp.ones(5)}, 2)
+    with pytest.raises(ValueError, match="not divisible"):
+        jaxaccum.split_batch(jnp.ones(5), 2)
+
+
+def test_errors_are_raised_at_trace_time_under_jit():
+    fun = jax.jit(jaxaccum.value_and_grad(loss, 5))
+    with pytest.raises(ValueError, match="not divisible"):
+        fun(PARAMS, {"x": jnp.ones((12, 3))})
+
+
+def test_split_does_not_copy_the_batch():
+    """The strided view is indexed inside the scan: no (N, B/N, ...) copy."""
+    batch = {"x": jnp.ones((4096, 512)), "y": jnp.ones((4096,))}
+    params = {"w": jnp.ones(512)}
+
+    def linear_loss(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    batch_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(batch))
+    compiled = (
+        jax.jit(jaxaccum.value_and_grad(linear_loss, 16)).lower(params, batch).compile()
+    )
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 0.25 * batch_bytes, f"temp {temp} B vs batch {batch_bytes} B"
