@@ -30,3 +30,33 @@ def divide_by_total_weight(weighted_sum: Any, total_weight: jax.Array) -> Any:
         return jnp.where(nonzero, quotient, jnp.zeros_like(quotient))
 
     return jax.tree.map(divide, weighted_sum)
+
+
+def masked_sum(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(sum of values where mask, number of True in mask)``.
+
+    The pair a ``reduction="weighted"`` loss returns: for per-token losses and a
+    padding mask, ``masked_sum(losses, mask)`` is ``(loss_sum, token_count)``.
+    Masked entries are selected away (not multiplied by 0), so a NaN or inf
+    computed at a padding position does not leak into the sum. A float mask
+    is a weight: the result is ``(sum(values * mask), sum(mask))``.
+
+    Args:
+      values: per-example or per-token values, e.g. losses.
+      mask: bool (or float weights) broadcastable to ``values``.
+
+    Returns:
+      ``(loss_sum, weight)``, float32 scalars for float32 inputs.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxaccum
+      >>> losses = jnp.array([[1.0, 2.0, jnp.nan], [3.0, 4.0, 5.0]])
+      >>> mask = jnp.array([[True, True, False], [True, False, False]])
+      >>> jaxaccum.masked_sum(losses, mask)
+      (Array(6., dtype=float32), Array(3., dtype=float32))
+    """
+    mask = jnp.broadcast_to(mask, jnp.shape(values))
+    weights = mask.astype(jnp.result_type(values, jnp.float32))
+    selected = jnp.where(mask != 0, values * weights, jnp.zeros_like(values))
+    return jnp.sum(selected), jnp.sum(weights)

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import split
+from jaxaccum._reduce import divide_by_total_weight
 
-Reduction = Literal["mean", "sum"]
+Reduction = Literal["mean", "sum", "weighted"]
 AuxReduction = Literal["mean", "sum", "stack", "last"]
 
-_REDUCTIONS = ("mean", "sum")
+_REDUCTIONS = ("mean", "sum", "weighted")
 _AUX_REDUCTIONS = ("mean", "sum", "stack", "last")
 
 
@@ -129,6 +130,114 @@ class _AuxPlan:
         return jax.tree.unflatten(self.treedef, out)
 
 
+def _weighted_pair(loss: Any) -> tuple[Any, Any]:
+    if not (isinstance(loss, tuple | list) and len(loss) == 2):
+        raise TypeError(
+            "With reduction='weighted', fun must return (loss_sum, weight) (with "
+            "has_aux: ((loss_sum, weight), aux)), where loss_sum sums the "
+            "micro-batch's losses and weight counts (or sums the weights of) "
+            f"what was summed; got {type(loss).__name__}."
+        )
+    return loss[0], loss[1]
+
+
+def _check_state(state_vals: tuple, new_state: tuple, state_nums: tuple) -> None:
+    """The state fun returns must have the structure, shapes and dtypes it got."""
+    for num, before, after in zip(state_nums, state_vals, new_state, strict=True):
+        old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(before)
+        new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(after)
+        if old_tree != new_tree:
+            raise ValueError(
+                f"The new state fun returns for args[{num}] has structure "
+                f"{new_tree}, but the state passed in has {old_tree}. Return the "
+                "updated state with the same structure as the state argument."
+            )
+        for (path, old), (_, new) in zip(old_leaves, new_leaves, strict=True):
+            old_spec = (jnp.shape(old), jnp.result_type(old))
+            new_spec = (jnp.shape(new), jnp.result_type(new))
+            if old_spec != new_spec:
+                raise ValueError(
+                    f"State leaf args[{num}]{jax.tree_util.keystr(path)} comes "
+                    f"back from fun with shape {new_spec[0]} and dtype "
+                    f"{new_spec[1]}, but went in with shape {old_spec[0]} and "
+                    f"dtype {old_spec[1]}; it is carried from one micro-batch to "
+                    "the next, so both must be the same."
+                )
+
+
+class _Window:
+    """Sums of one window's micro-batch results, and their normalisation."""
+
+    def __init__(
+        self,
+        out_shape: Any,
+        *,
+        reduction: str,
+        aux_plan: _AuxPlan,
+        accum_dtype: Any,
+        num_microbatches: int,
+    ):
+        (self.value_shape, (self.weight_shape, _, _)), self.grads_shape = out_shape
+        self.reduction = reduction
+        self.aux_plan = aux_plan
+        self.accum_dtype = accum_dtype
+        self.num_microbatches = num_microbatches
+        if reduction == "weighted" and jnp.shape(self.weight_shape) != ():
+            raise TypeError(
+                "With reduction='weighted', the weight fun returns must be a "
+                f"scalar, got shape {jnp.shape(self.weight_shape)}."
+            )
+
+    def _zeros(self, shape: Any) -> jax.Array:
+        dtype = _accum_dtype_for(shape.dtype, self.accum_dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):  # integer weights: float sum
+            dtype = self.accum_dtype or jnp.float32
+        return jnp.zeros(shape.shape, dtype)
+
+    def zeros(self) -> tuple:
+        return (
+            self._zeros(self.value_shape),
+            jax.tree.map(self._zeros, self.weight_shape),
+            jax.tree.map(self._zeros, self.grads_shape),
+            self.aux_plan.init(),
+        )
+
+    def add(self, sums: tuple, out: Any) -> tuple[tuple, list]:
+        """Adds one micro-batch's results; returns (sums, aux to stack)."""
+        (value, (weight, aux, _)), grads = out
+        value_sum, weight_sum, grads_sum, aux_carry = sums
+
+        def add(total, x):
+            return total + jnp.asarray(x).astype(total.dtype)
+
+        aux_carry, stacked = self.aux_plan.update(aux_carry, aux)
+        return (
+            add(value_sum, value),
+            jax.tree.map(add, weight_sum, weight),
+            jax.tree.map(add, grads_sum, grads),
+            aux_carry,
+        ), stacked
+
+    def result(self, sums: tuple, stacked: list) -> tuple[Any, Any, Any]:
+        """Normalises the sums; returns (value, aux, grads) in their own dtypes."""
+        value_sum, weight_sum, grads_sum, aux_carry = sums
+        if self.reduction == "weighted":
+            value, grads = divide_by_total_weight((value_sum, grads_sum), weight_sum)
+        elif self.reduction == "mean":
+            value, grads = jax.tree.map(
+                lambda total: total / self.num_microbatches, (value_sum, grads_sum)
+            )
+        else:
+            value, grads = value_sum, grads_sum
+        value, grads = jax.tree.map(
+            lambda x, shape: x.astype(shape.dtype),
+            (value, grads),
+            (self.value_shape, self.grads_shape),
+        )
+        aux = self.aux_plan.finalize(aux_carry, stacked, self.num_microbatches)
+        return value, aux, grads
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int | None = None,
@@ -137,10 +246,12 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] = 1,
     key_argnums: int | Sequence[int] = (),
+    state_argnums: int | Sequence[int] = (),
     has_aux: bool = False,
     reduction: Reduction = "mean",
     aux_reduction: Any = "mean",
     accum_dtype: Any = jnp.float32,
+    pad: bool = False,
     unroll: int | bool = 1,
     remat: bool | Callable[..., Any] = False,
 ) -> Callable[..., Any]:
@@ -156,33 +267,56 @@ def value_and_grad(
       given; the result is the mean over the ``N`` equal micro-batches, which is
       the full-batch mean and its gradient.
     * ``reduction="sum"``: ``fun`` returns a sum; the results are summed.
+    * ``reduction="weighted"``: ``fun`` returns ``(loss_sum, weight)``: the sum
+      of its micro-batch's per-token (or per-example) losses and the count (or
+      total weight) of what was summed. The value is ``sum(loss_sum) /
+      sum(weight)`` over the window and the gradient ``sum(grad loss_sum) /
+      sum(weight)``: exactly the full-batch masked mean, however unevenly the
+      valid tokens fall into micro-batches. A window whose total weight is 0
+      gives zero gradients and value 0, never NaN.
 
     Gradients (and the value) accumulate in ``accum_dtype`` (float32 by default,
     so bfloat16/float16 gradients are cast up) and are returned in their own
     dtype. The scan body is traced and compiled once, whatever ``N``.
 
     Args:
-      fun: the loss function, ``fun(*args, **kwargs) -> scalar`` (or
-        ``(scalar, aux)`` with ``has_aux=True``).
+      fun: the loss function, ``fun(*args, **kwargs) -> loss`` (or
+        ``(loss, aux)`` with ``has_aux=True``), where ``loss`` is a scalar, or
+        ``(loss_sum, weight)`` with ``reduction="weighted"``.
       num_microbatches: ``N``, the number of micro-batches; must divide the
-        batch size. Exactly one of ``num_microbatches`` and ``microbatch_size``.
-      microbatch_size: examples per micro-batch; must divide the batch size.
+        batch size (unless ``pad``). Exactly one of ``num_microbatches`` and
+        ``microbatch_size``.
+      microbatch_size: examples per micro-batch; must divide the batch size
+        (unless ``pad``).
       argnums: positional argument(s) to differentiate, as in
         ``jax.value_and_grad``. Their leaves must be floats.
       batch_argnums: positional argument(s) holding the batch: pytrees whose
-        leaves share a leading batch axis. Must not overlap ``argnums``.
+        leaves share a leading batch axis.
       key_argnums: positional argument(s) holding PRNG keys (typed or raw). Each
-        key is split into ``N`` independent keys with ``jax.random.split``, one
-        per micro-batch (with ``N == 1`` the key is passed unchanged). The same
-        key gives bitwise the same result.
+        key is split into ``N`` independent keys with ``jax.random.split``, and
+        micro-batch ``k`` gets key ``k`` (with ``N == 1`` the key is passed
+        unchanged). The same key gives bitwise the same result.
+      state_argnums: positional argument(s) holding state that ``fun`` updates,
+        such as BatchNorm statistics. ``fun`` then returns ``(out, new_state)``
+        (``out`` being what it returns otherwise) and the state is carried
+        through the micro-batches in order: micro-batch ``k`` sees the state
+        micro-batch ``k - 1`` returned. Not differentiated.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
-      reduction: ``"mean"`` or ``"sum"``; what ``fun``'s loss is over a batch.
+      reduction: ``"mean"``, ``"sum"`` or ``"weighted"``: what ``fun``'s loss is
+        over the batch it is given (see above).
       aux_reduction: how each aux leaf combines over micro-batches: ``"mean"``
         (integer leaves give a float mean), ``"sum"``, ``"stack"`` (all ``N``
         results on a new leading axis, in micro-batch order) or ``"last"``; a
         single string or a pytree prefix of the aux output.
       accum_dtype: dtype float gradients accumulate in (at least); ``None``
         keeps each gradient's own dtype.
+      pad: accept a batch size that ``N`` (or ``microbatch_size``) does not
+        divide by padding the batch with zero rows at its end. Padded rows must
+        contribute nothing, so ``fun`` is then called with a keyword argument
+        ``example_mask``: a boolean ``(micro-batch size,)`` array, False on
+        padded rows, which ``fun`` must apply to its losses and weights.
+        Needs ``reduction="weighted"`` or ``"sum"`` (a mean over micro-batches
+        of unequal real size is not the batch mean).
       unroll: passed to ``jax.lax.scan``.
       remat: ``True`` wraps the micro-batch loss in ``jax.checkpoint`` (its
         forward pass is recomputed in the backward pass); a checkpoint policy
@@ -190,8 +324,10 @@ def value_and_grad(
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``, or
-      ``((value, aux), grads)`` with ``has_aux``. ``grads`` has the structure of
-      ``args[argnums]`` (a tuple of them if ``argnums`` is a sequence).
+      ``((value, aux), grads)`` with ``has_aux``; with ``state_argnums``, that
+      result and the new state: ``(result, new_state)``. ``grads`` has the
+      structure of ``args[argnums]`` (a tuple of them if ``argnums`` is a
+      sequence).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -222,83 +358,117 @@ def value_and_grad(
         split.check_count("microbatch_size", microbatch_size)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}.")
-    diff_nums = _as_tuple("argnums", argnums)
-    batch_nums = _as_tuple("batch_argnums", batch_argnums)
-    key_nums = _as_tuple("key_argnums", key_argnums)
+    if pad and reduction == "mean":
+        raise ValueError(
+            "pad=True needs reduction='weighted' (or 'sum'): padded rows make "
+            "the micro-batches' real sizes unequal, so the mean of their means "
+            "is not the batch mean. Return (loss_sum, weight) from fun, with "
+            "example_mask applied to both, and use reduction='weighted'."
+        )
+    roles = {
+        "argnums": _as_tuple("argnums", argnums),
+        "batch_argnums": _as_tuple("batch_argnums", batch_argnums),
+        "key_argnums": _as_tuple("key_argnums", key_argnums),
+        "state_argnums": _as_tuple("state_argnums", state_argnums),
+    }
+    diff_nums, batch_nums, key_nums, state_nums = roles.values()
     if not diff_nums:
         raise ValueError("argnums must name at least one argument to differentiate.")
     if not batch_nums:
         raise ValueError("batch_argnums must name at least one batch argument.")
-    roles = {"argnums": diff_nums, "batch_argnums": batch_nums, "key_argnums": key_nums}
-    for index, num in enumerate(diff_nums + batch_nums + key_nums):
-        if num in (diff_nums + batch_nums + key_nums)[:index]:
+    all_nums = sum(roles.values(), ())
+    for index, num in enumerate(all_nums):
+        if num in all_nums[:index]:
             named = [name for name, nums in roles.items() if num in nums]
             raise ValueError(
                 f"Argument {num} is in {' and '.join(named)}; an argument is "
-                "either differentiated, split into micro-batches, or a PRNG key "
-                "to split, not several of these."
+                "differentiated, split into micro-batches, a PRNG key to split, "
+                "or carried state: only one of these."
             )
     policy = None if isinstance(remat, bool) else remat
 
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> Any:
-        needed = max(diff_nums + batch_nums + key_nums) + 1
-        if len(args) < needed:
+        if len(args) <= max(all_nums):
+            used = ", ".join(f"{name}={nums}" for name, nums in roles.items() if nums)
             raise TypeError(
-                f"The accumulated function needs at least {needed} positional "
-                f"arguments (argnums={argnums!r}, batch_argnums="
-                f"{batch_argnums!r}, key_argnums={key_argnums!r}), got {len(args)}."
+                f"The accumulated function needs at least {max(all_nums) + 1} "
+                f"positional arguments ({used}), got {len(args)}."
             )
         batch_size = split.batch_size_of([(f"args[{i}]", args[i]) for i in batch_nums])
-        num = split.resolve_num_microbatches(
-            batch_size, num_microbatches, microbatch_size
+        num, padded_size = split.resolve_num_microbatches(
+            batch_size, num_microbatches, microbatch_size, pad=pad
         )
         _check_differentiable(args, diff_nums)
 
-        def loss(diff_vals, batch_vals, key_vals):
+        def micro_loss(diff_vals, batch_vals, key_vals, state_vals, example_mask):
             call_args = list(args)
             for nums, vals in (
                 (diff_nums, diff_vals),
                 (batch_nums, batch_vals),
                 (key_nums, key_vals),
+                (state_nums, state_vals),
             ):
                 for i, val in zip(nums, vals, strict=True):
                     call_args[i] = val
-            out = fun(*call_args, **kwargs)
-            return out if has_aux else (out, ())
+            extra = {"example_mask": example_mask} if pad else {}
+            out = fun(*call_args, **kwargs, **extra)
+            new_state = ()
+            if state_nums:
+                out, new_state = out
+                if len(state_nums) == 1:
+                    new_state = (new_state,)
+            loss, aux = out if has_aux else (out, ())
+            weight = ()
+            if reduction == "weighted":
+                loss, weight = _weighted_pair(loss)
+            return loss, (weight, aux, tuple(new_state))
 
         if remat:
-            loss = jax.checkpoint(loss, policy=policy)
-        micro_value_and_grad = jax.value_and_grad(loss, has_aux=True)
+            micro_loss = jax.checkpoint(micro_loss, policy=policy)
+        micro_value_and_grad = jax.value_and_grad(micro_loss, has_aux=True)
 
         diff_vals = tuple(args[i] for i in diff_nums)
-        batch_vals = tuple(args[i] for i in batch_nums)
+        batch_vals = split.pad_batch(tuple(args[i] for i in batch_nums), padded_size)
         key_vals = tuple(args[i] for i in key_nums)
+        state_vals = tuple(args[i] for i in state_nums)
+        example_mask = jnp.arange(padded_size) < batch_size if pad else None
+        settings = {
+            "reduction": reduction,
+            "accum_dtype": accum_dtype,
+            "num_microbatches": num,
+        }
 
         if num == 1:
-            # Exactly jax.value_and_grad: no scan, keys passed unchanged.
-            (value, aux), grads = micro_value_and_grad(diff_vals, batch_vals, key_vals)
-            if has_aux:
-                aux = jax.tree.map(jnp.asarray, aux)
-                plan = _AuxPlan(aux_reduction, aux, accum_dtype)
-                carry, stacked = plan.update(plan.init(), aux)
-                stacked = [leaf[None] for leaf in stacked]
-                aux = plan.finalize(carry, stacked, 1)
+            # No scan and the key passed unchanged: exactly jax.value_and_grad.
+            out = micro_value_and_grad(
+                diff_vals, batch_vals, key_vals, state_vals, example_mask
+            )
+            aux = jax.tree.map(jnp.asarray, out[0][1][1])
+            aux_plan = _AuxPlan(aux_reduction if has_aux else "mean", aux, accum_dtype)
+            window = _Window(jax.eval_shape(lambda: out), aux_plan=aux_plan, **settings)
+            sums, stacked = window.add(window.zeros(), out)
+            value, aux, grads = window.result(sums, [x[None] for x in stacked])
+            new_state = out[0][1][2]
+            _check_state(state_vals, new_state, state_nums)
         else:
-            value, aux, grads = _scan(
+            value, aux, grads, new_state = _scan(
                 micro_value_and_grad,
                 diff_vals,
                 split.strided_view(batch_vals, num),
                 _split_keys(key_vals, num),
-                num,
-                reduction=reduction,
-                has_aux=has_aux,
-                aux_reduction=aux_reduction,
-                accum_dtype=accum_dtype,
+                state_vals,
+                None if example_mask is None else split.strided_view(example_mask, num),
+                state_nums=state_nums,
+                aux_reduction=aux_reduction if has_aux else "mean",
                 unroll=unroll,
+                **settings,
             )
         grads = grads[0] if isinstance(argnums, int) else grads
-        return ((value, aux), grads) if has_aux else (value, grads)
+        result = ((value, aux), grads) if has_aux else (value, grads)
+        if not state_nums:
+            return result
+        return result, new_state[0] if isinstance(state_argnums, int) else new_state
 
     return accumulated
 
@@ -308,63 +478,57 @@ def _scan(
     diff_vals: tuple,
     batch_view: tuple,
     keys: tuple,
-    num: int,
+    state_vals: tuple,
+    mask_view: jax.Array | None,
     *,
+    state_nums: tuple,
     reduction: str,
-    has_aux: bool,
     aux_reduction: Any,
     accum_dtype: Any,
+    num_microbatches: int,
     unroll: int | bool,
-) -> tuple[Any, Any, Any]:
-    """Runs the micro-batches in one scan; returns (value, aux, grads)."""
-    first_batch = split.take_microbatch(batch_view, jnp.zeros((), jnp.int32))
-    first_keys = jax.tree.map(lambda k: k[0], keys)
-    (value_shape, aux_shape), grads_shape = jax.eval_shape(
-        micro_value_and_grad, diff_vals, first_batch, first_keys
+) -> tuple[Any, Any, Any, Any]:
+    """Runs the micro-batches in one scan; returns (value, aux, grads, state)."""
+
+    def micro(index, micro_keys, state):
+        mask = None if mask_view is None else split.take_microbatch(mask_view, index)
+        micro_batch = split.take_microbatch(batch_view, index)
+        return micro_value_and_grad(diff_vals, micro_batch, micro_keys, state, mask)
+
+    out_shape = jax.eval_shape(
+        micro, jnp.zeros((), jnp.int32), jax.tree.map(lambda k: k[0], keys), state_vals
     )
-    plan = _AuxPlan(aux_reduction if has_aux else "mean", aux_shape, accum_dtype)
-
-    def zeros(shape):
-        return jnp.zeros(shape.shape, _accum_dtype_for(shape.dtype, accum_dtype))
-
-    init = (
-        jax.tree.map(zeros, value_shape),
-        jax.tree.map(zeros, grads_shape),
-        plan.init(),
+    _check_state(state_vals, out_shape[0][1][2], state_nums)
+    window = _Window(
+        out_shape,
+        reduction=reduction,
+        aux_plan=_AuxPlan(aux_reduction, out_shape[0][1][1], accum_dtype),
+        accum_dtype=accum_dtype,
+        num_microbatches=num_microbatches,
     )
 
     def body(carry, xs):
-        index, micro_keys = xs
-        value_sum, grads_sum, aux_carry = carry
-        micro_batch = split.take_microbatch(batch_view, index)
-        (value, aux), grads = micro_value_and_grad(diff_vals, micro_batch, micro_keys)
-        grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grads_sum, grads)
-        aux_carry, stacked = plan.update(aux_carry, aux)
-        return (
-            value_sum + value.astype(value_sum.dtype),
-            grads_sum,
-            aux_carry,
-        ), stacked
+        sums, state = carry
+        out = micro(*xs, state)
+        sums, stacked = window.add(sums, out)
+        return (sums, out[0][1][2]), stacked
 
-    (value_sum, grads_sum, aux_carry), stacked = lax.scan(
-        body, init, (jnp.arange(num), keys), unroll=unroll
+    (sums, state), stacked = lax.scan(
+        body,
+        (window.zeros(), state_vals),
+        (jnp.arange(num_microbatches), keys),
+        unroll=unroll,
     )
-    scale = num if reduction == "mean" else 1
-
-    def finish(total, shape):
-        return (total / scale).astype(shape.dtype)
-
-    value = finish(value_sum, value_shape)
-    grads = jax.tree.map(finish, grads_sum, grads_shape)
-    aux = plan.finalize(aux_carry, stacked, num)
-    return value, aux, grads
+    value, aux, grads = window.result(sums, stacked)
+    return value, aux, grads, state
 
 
 def grad(fun: Callable[..., Any], num_microbatches: int | None = None, **kwargs: Any):
     """Like :func:`value_and_grad` but returns only the gradient.
 
-    With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does. All
-    arguments are those of :func:`value_and_grad`.
+    With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
+    ``state_argnums``, ``(that, new_state)``. All arguments are those of
+    :func:`value_and_grad`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -375,10 +539,17 @@ def grad(fun: Callable[..., Any], num_microbatches: int | None = None, **kwargs:
     """
     value_and_grad_fun = value_and_grad(fun, num_microbatches, **kwargs)
     has_aux = kwargs.get("has_aux", False)
+    has_state = bool(_as_tuple("state_argnums", kwargs.get("state_argnums", ())))
+
+    def only_grads(result):
+        out, grads = result
+        return (grads, out[1]) if has_aux else grads
 
     @functools.wraps(fun)
     def grad_fun(*args: Any, **call_kwargs: Any) -> Any:
-        out, grads = value_and_grad_fun(*args, **call_kwargs)
-        return (grads, out[1]) if has_aux else grads
+        result = value_and_grad_fun(*args, **call_kwargs)
+        if has_state:
+            return only_grads(result[0]), result[1]
+        return only_grads(result)
 
     return grad_fun

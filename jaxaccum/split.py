@@ -63,26 +63,49 @@ def batch_size_of(batches: Sequence[tuple[str, Any]]) -> int:
 
 
 def resolve_num_microbatches(
-    batch_size: int, num_microbatches: int | None, microbatch_size: int | None
-) -> int:
-    """Returns N for this batch size, checking that it divides the batch."""
+    batch_size: int,
+    num_microbatches: int | None,
+    microbatch_size: int | None,
+    *,
+    pad: bool = False,
+) -> tuple[int, int]:
+    """Returns ``(N, padded batch size)``, checking that N divides the batch.
+
+    With ``pad`` a batch that N does not divide is padded up to the next
+    multiple (``N * ceil(B / N)``, or ``microbatch_size * ceil(B / size)``).
+    """
     if microbatch_size is not None:
-        if batch_size % microbatch_size:
+        num = -(-batch_size // microbatch_size)
+        if batch_size % microbatch_size and not pad:
             raise ValueError(
                 f"Batch size {batch_size} is not divisible by "
                 f"microbatch_size={microbatch_size}. Micro-batch sizes that "
-                f"divide it: {_divisors(batch_size)}."
+                f"divide it: {_divisors(batch_size)}; or pass pad=True (with "
+                "reduction='weighted' or 'sum') to pad the last micro-batches."
             )
-        return batch_size // microbatch_size
+        return num, num * microbatch_size
     assert num_microbatches is not None
-    if batch_size % num_microbatches:
+    if batch_size % num_microbatches and not pad:
         raise ValueError(
             f"Batch size {batch_size} is not divisible by "
             f"num_microbatches={num_microbatches}, so the micro-batches would "
             f"have unequal sizes. Choose num_microbatches from "
-            f"{_divisors(batch_size)}, or change the batch size."
+            f"{_divisors(batch_size)}, change the batch size, or pass pad=True "
+            "(with reduction='weighted' or 'sum') to pad with masked rows."
         )
-    return num_microbatches
+    return num_microbatches, num_microbatches * -(-batch_size // num_microbatches)
+
+
+def pad_batch(batch: Any, padded_size: int) -> Any:
+    """Appends zero rows to every leaf so its leading size is ``padded_size``."""
+
+    def pad(x):
+        missing = padded_size - x.shape[0]
+        if not missing:
+            return x
+        return jnp.pad(x, [(0, missing)] + [(0, 0)] * (x.ndim - 1))
+
+    return jax.tree.map(pad, batch)
 
 
 def check_count(name: str, value: Any) -> None:

@@ -31,6 +31,16 @@ def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
     return errors
 
 
+def _value_and_grads(accumulated_fun: Any, args: tuple, kwargs: dict) -> tuple:
+    """Runs ``accumulated_fun`` under jit; returns (value, grads) alone."""
+    result = jax.jit(accumulated_fun)(*args)
+    if kwargs.get("state_argnums", ()) != ():
+        result = result[0]
+    if kwargs.get("has_aux", False):
+        return result[0][0], result[1]
+    return result
+
+
 def assert_grads_match_full_batch(
     fun: Any,
     *args: Any,
@@ -44,7 +54,9 @@ def assert_grads_match_full_batch(
     Computes ``jaxaccum.value_and_grad(fun, num_microbatches, **kwargs)`` and the
     same with one micro-batch (exactly ``jax.value_and_grad`` on the whole
     batch), both under ``jax.jit``, and compares values and gradients with
-    ``chex.assert_trees_all_close``. Aux outputs are not compared.
+    ``chex.assert_trees_all_close``. Works for every reduction (``"weighted"``
+    included) and with ``pad``, ``key_argnums`` and ``state_argnums``; aux
+    outputs and new state are not compared.
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
@@ -71,13 +83,14 @@ def assert_grads_match_full_batch(
         for key, value in value_and_grad_kwargs.items()
         if key != "microbatch_size"
     }
-    accumulated = jax.jit(
-        value_and_grad(fun, num_microbatches, **value_and_grad_kwargs)
-    )(*args)
-    reference = jax.jit(value_and_grad(fun, 1, **reference_kwargs))(*args)
-    if value_and_grad_kwargs.get("has_aux", False):
-        accumulated = (accumulated[0][0], accumulated[1])
-        reference = (reference[0][0], reference[1])
+    accumulated = _value_and_grads(
+        value_and_grad(fun, num_microbatches, **value_and_grad_kwargs),
+        args,
+        value_and_grad_kwargs,
+    )
+    reference = _value_and_grads(
+        value_and_grad(fun, 1, **reference_kwargs), args, value_and_grad_kwargs
+    )
     try:
         chex.assert_trees_all_close(accumulated, reference, rtol=rtol, atol=atol)
     except AssertionError as error:

@@ -80,3 +80,41 @@ def flax_loss(module: nn.Module):
         )
 
     return loss
+
+
+class CausalLM(nn.Module):
+    """One-layer causal self-attention language model."""
+
+    vocab: int = 11
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        x = x + self.param(
+            "positions", nn.initializers.normal(0.02), (tokens.shape[-1], self.width)
+        )
+        mask = nn.make_causal_mask(tokens)
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=self.width)(
+            h, mask=mask
+        )
+        x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def token_batch(key: jax.Array, lengths, seq_len: int = 12, vocab: int = 11):
+    """Random token sequences, each padded (token 0) after its length."""
+    lengths = jnp.asarray(lengths)
+    tokens = jax.random.randint(key, (lengths.shape[0], seq_len), 1, vocab)
+    valid = jnp.arange(seq_len) < lengths[:, None]
+    return {"tokens": jnp.where(valid, tokens, 0), "lengths": lengths}
+
+
+def next_token_losses(module: nn.Module, params, batch):
+    """Per-position next-token losses and the mask of positions that count."""
+    tokens = batch["tokens"]
+    logits = module.apply({"params": params}, tokens[:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    mask = jnp.arange(1, tokens.shape[1]) < batch["lengths"][:, None]
+    return losses, mask

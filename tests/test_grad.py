@@ -395,3 +395,47 @@ def test_property_any_pytree_any_divisor_matches_full_batch(problem):
     assert_grads_match_full_batch(
         tree_loss, params, batch, num_microbatches=num, rtol=RTOL, atol=ATOL
     )
+
+
+def running_mean_loss(w, x, state):
+    """A loss that, like BatchNorm, updates running statistics of its input."""
+    new_state = {
+        "mean": 0.9 * state["mean"] + 0.1 * jnp.mean(x, axis=0),
+        "calls": state["calls"] + 1,
+    }
+    return jnp.mean(jnp.tanh(x @ w)), new_state
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_state_is_threaded_through_microbatches_in_order(num_microbatches):
+    w = jnp.ones(3)
+    x = jax.random.normal(jax.random.key(9), (16, 3))
+    state = {"mean": jnp.zeros(3), "calls": jnp.array(0)}
+    (value, grads), new_state = jax.jit(
+        jaxaccum.value_and_grad(running_mean_loss, num_microbatches, state_argnums=2)
+    )(w, x, state)
+
+    expected_state = state
+    for micro_batch in jaxaccum.split_batch(x, num_microbatches):
+        _, expected_state = running_mean_loss(w, micro_batch, expected_state)
+    chex.assert_trees_all_close(new_state, expected_state, rtol=RTOL, atol=ATOL)
+    assert int(new_state["calls"]) == num_microbatches
+    expected = jax.value_and_grad(lambda w, x: running_mean_loss(w, x, state)[0])(w, x)
+    chex.assert_trees_all_close((value, grads), expected, rtol=RTOL, atol=ATOL)
+    grads_only, grad_state = jaxaccum.grad(
+        running_mean_loss, num_microbatches, state_argnums=2
+    )(w, x, state)
+    chex.assert_trees_all_close(
+        (grads_only, grad_state), (grads, new_state), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_state_that_changes_shape_is_named():
+    def bad(w, x, state):
+        return jnp.mean(x @ w), {"mean": jnp.zeros(4), "calls": state["calls"]}
+
+    state = {"mean": jnp.zeros(3), "calls": jnp.array(0)}
+    with pytest.raises(ValueError, match=r"State leaf args\[2\]\['mean'\] comes back"):
+        jaxaccum.value_and_grad(bad, 2, state_argnums=2)(
+            jnp.ones(3), jnp.ones((4, 3)), state
+        )
