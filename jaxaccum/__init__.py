@@ -3,13 +3,17 @@
 from jaxaccum import testing
 from jaxaccum._reduce import masked_sum
 from jaxaccum.grad import grad, value_and_grad
+from jaxaccum.memory import MemoryPlan, parse_memory_budget, plan
 from jaxaccum.split import split_batch
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MemoryPlan",
     "grad",
     "masked_sum",
+    "parse_memory_budget",
+    "plan",
     "split_batch",
     "testing",
     "value_and_grad",

@@ -523,7 +523,9 @@ def _scan(
     return value, aux, grads, state
 
 
-def grad(fun: Callable[..., Any], num_microbatches: int | None = None, **kwargs: Any):
+def grad(
+    fun: Callable[..., Any], num_microbatches: int | None = None, **kwargs: Any
+) -> Callable[..., Any]:
     """Like :func:`value_and_grad` but returns only the gradient.
 
     With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
