@@ -4,12 +4,16 @@ from jaxaccum import testing
 from jaxaccum._reduce import masked_sum
 from jaxaccum.grad import grad, value_and_grad
 from jaxaccum.memory import MemoryPlan, parse_memory_budget, plan
+from jaxaccum.optimizer import MultiSteps, MultiStepsState, accumulate
 from jaxaccum.split import split_batch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MemoryPlan",
+    "MultiSteps",
+    "MultiStepsState",
+    "accumulate",
     "grad",
     "masked_sum",
     "parse_memory_budget",

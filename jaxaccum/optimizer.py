@@ -1,0 +1,377 @@
+"""Across-call accumulation: an Optax wrapper that steps once per window.
+
+`MultiSteps` is a drop-in replacement for `optax.MultiSteps` (same constructor,
+methods and state field names). It differs in cost and exactness:
+
+- A mid-window call only adds the gradient into a float32 accumulator and
+  emits zeros; the wrapped optimizer's update runs under `jax.lax.cond` on the
+  emitting call alone. `optax.MultiSteps` runs it on every call and masks the
+  result, paying a full optimizer update (passes over Adam's ``mu`` and ``nu``)
+  per mini-step.
+- An optional ``weight`` per call (e.g. the number of tokens in the
+  micro-batch) makes the window emit ``sum(w * g) / sum(w)``, the token-exact
+  mean, through the same normalisation as `jaxaccum.value_and_grad`.
+"""
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxaccum._reduce import divide_by_total_weight
+
+EveryKSchedule = int | Callable[[jax.Array], jax.typing.ArrayLike]
+
+
+class MultiStepsState(NamedTuple):
+    """State of `MultiSteps`; the fields of `optax.MultiStepsState` plus one.
+
+    Attributes:
+      mini_step: int32 scalar, accepted calls so far in the current window;
+        reset to 0 by the emitting call.
+      gradient_step: int32 scalar, windows completed, i.e. inner optimizer steps.
+      inner_opt_state: the state of the wrapped optimizer; it changes only on
+        emitting calls.
+      acc_grads: sum of ``weight * gradient`` over the window, in the
+        accumulator dtype (optax stores a running mean here). After the
+        emitting call it still holds the emitted window's sum; the next
+        accepted call, which starts a new window, overwrites it. This lazy
+        reset saves a pass over the accumulator.
+      skip_state: whatever ``should_skip_update_fn`` returned on the last call
+        (monitoring information), ``()`` without one.
+      acc_weight: float32 scalar, the window's total weight (the number of
+        accepted calls when no ``weight`` is passed); reset like ``acc_grads``.
+    """
+
+    mini_step: jax.typing.ArrayLike
+    gradient_step: jax.typing.ArrayLike
+    inner_opt_state: Any
+    acc_grads: Any
+    skip_state: chex.ArrayTree = ()
+    acc_weight: jax.typing.ArrayLike = 0.0
+
+
+def _never_skip(
+    updates: optax.Updates,
+    gradient_step: jax.typing.ArrayLike,
+    params: optax.Params | None,
+) -> tuple[jax.Array, chex.ArrayTree]:
+    del updates, gradient_step, params
+    return jnp.array(False), ()
+
+
+def _check_every_k(every_k: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
+    """Rejects schedules whose value is not an integer scalar."""
+    dtype, shape = jnp.result_type(every_k), jnp.shape(every_k)
+    if not jnp.issubdtype(dtype, jnp.integer) or shape != ():
+        raise TypeError(
+            "every_k_schedule(gradient_step) must return an integer scalar, got "
+            f"dtype {dtype} and shape {shape}. Return e.g. "
+            "jnp.where(gradient_step < 100, 1, 4)."
+        )
+    return every_k
+
+
+def _check_weight(weight: Any) -> jax.Array:
+    """Returns ``weight`` as a float32 scalar, or raises saying what is wrong."""
+    try:
+        weight = jnp.asarray(weight)
+    except TypeError as error:
+        raise TypeError(
+            f"weight must be a scalar number or array, got {type(weight).__name__}."
+            " Pass the micro-batch's number of tokens (or examples) as a scalar."
+        ) from error
+    if weight.shape != ():
+        raise ValueError(
+            f"weight must be a scalar (shape ()), got shape {weight.shape}. "
+            "Pass the micro-batch's total weight, e.g. mask.sum(), not the "
+            "per-example weights."
+        )
+    if not jnp.issubdtype(weight.dtype, jnp.number):
+        raise TypeError(
+            f"weight must be numeric, got dtype {weight.dtype}. "
+            "Pass e.g. mask.sum() or a float."
+        )
+    return weight.astype(jnp.float32)
+
+
+class MultiSteps:
+    """Accumulates gradients over calls; the wrapped optimizer steps once a window.
+
+    A drop-in replacement for `optax.MultiSteps` with the same constructor,
+    methods and state field names. Each call adds its gradient (cast to
+    ``accumulator_dtype``) into ``acc_grads`` and returns exact zeros, without
+    running the wrapped optimizer. The call that completes a window of
+    ``every_k_schedule(gradient_step)`` accepted calls runs the wrapped
+    optimizer once, on the window's mean (or sum) gradient cast back to the
+    gradient dtype, and returns its updates; the next window starts from zero.
+    So Adam's count, learning-rate schedules, ``clip_by_global_norm`` and weight
+    decay see one step per window.
+
+    Pass ``weight=`` to ``update`` (e.g. the micro-batch's token count) to get
+    the token-exact window mean ``sum(w * g) / sum(w)``; it is not forwarded to
+    the wrapped optimizer. Other extra arguments (``value``, ``value_fn``,
+    ...) are forwarded to it on the emitting call.
+
+    For speed, jit the step with the optimizer state donated together with the
+    gradients (or with the params, when the step applies the updates): JAX
+    pairs donated inputs with outputs of the same shape in order, and then a
+    mid-window call adds into the accumulator in place and leaves the inner
+    state untouched. Under `jax.vmap` with a batched state, `jax.lax.cond`
+    becomes a select, so every call pays for the wrapped update; results are
+    the same.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jaxaccum
+      >>> opt = jaxaccum.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = opt.init(params)
+      >>> for g in (1.0, 3.0):
+      ...     updates, state = opt.update({"w": jnp.full(2, g)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> params["w"]
+      Array([-2., -2.], dtype=float32)
+      >>> bool(opt.has_updated(state))
+      True
+    """
+
+    def __init__(
+        self,
+        opt: optax.GradientTransformation,
+        every_k_schedule: EveryKSchedule,
+        use_grad_mean: bool = True,
+        should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
+        accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    ):
+        """Initializer.
+
+        Args:
+          opt: the wrapped optimizer.
+          every_k_schedule: calls per window; an int >= 1, or a function of the
+            int32 ``gradient_step`` returning an integer scalar (a batch-size
+            ramp). It is evaluated once per window, so it may change between
+            windows only.
+          use_grad_mean: if True (default), emit the window's weighted mean
+            gradient ``sum(w * g) / sum(w)`` (``w = 1`` without ``weight``);
+            otherwise emit the sum ``sum(w * g)``.
+          should_skip_update_fn: optional function with the signature of
+            ``optax.skip_not_finite`` (or ``functools.partial`` of
+            ``optax.skip_large_updates``). A call it rejects leaves every field
+            of the state except ``skip_state`` bitwise unchanged and returns
+            zeros.
+          accumulator_dtype: dtype of ``acc_grads``; float32 by default, so that
+            bfloat16 / float16 gradients are summed in float32. None uses the
+            params' dtype.
+        """
+        if not callable(every_k_schedule):
+            if isinstance(every_k_schedule, bool) or not isinstance(
+                every_k_schedule, numbers.Integral
+            ):
+                raise TypeError(
+                    "every_k_schedule must be an int or a function of "
+                    f"gradient_step, got {type(every_k_schedule).__name__}."
+                )
+            every_k_schedule = int(every_k_schedule)
+            if every_k_schedule < 1:
+                raise ValueError(
+                    f"every_k_schedule must be >= 1 calls per window, got "
+                    f"{every_k_schedule}. Use 1 to step on every call."
+                )
+        self._opt = optax.with_extra_args_support(opt)
+        self._every_k_schedule = every_k_schedule
+        self._use_grad_mean = use_grad_mean
+        self._should_skip_update_fn = should_skip_update_fn or _never_skip
+        self._accumulator_dtype = accumulator_dtype
+
+    @property
+    def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+        """The wrapped optimizer, with extra-args support."""
+        return self._opt
+
+    def _every_k(self, gradient_step: jax.Array) -> jax.typing.ArrayLike:
+        if isinstance(self._every_k_schedule, int):
+            return self._every_k_schedule
+        return _check_every_k(self._every_k_schedule(gradient_step))
+
+    def init(self, params: optax.Params) -> MultiStepsState:
+        """Returns the state at the start of the first window.
+
+        Args:
+          params: the parameters the wrapped optimizer is initialised with.
+
+        Returns:
+          A `MultiStepsState` with zero counters and accumulator.
+        """
+        gradient_step = jnp.zeros([], jnp.int32)
+        _, skip_state = self._should_skip_update_fn(
+            optax.tree.zeros_like(params), gradient_step, params
+        )
+        return MultiStepsState(
+            mini_step=jnp.zeros([], jnp.int32),
+            gradient_step=gradient_step,
+            inner_opt_state=self._opt.init(params),
+            acc_grads=optax.tree.zeros_like(params, dtype=self._accumulator_dtype),
+            skip_state=skip_state,
+            acc_weight=jnp.zeros([], jnp.float32),
+        )
+
+    def update(
+        self,
+        updates: optax.Updates,
+        state: MultiStepsState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, MultiStepsState]:
+        """Accumulates ``updates``; returns the wrapped optimizer's on a window's end.
+
+        Args:
+          updates: this call's gradients, a pytree like the params.
+          state: the state from `init` or the previous call.
+          params: the current params, forwarded to the wrapped optimizer.
+          **extra_args: ``weight`` (optional scalar, this call's share of the
+            window mean, e.g. its token count; default 1), and any extra
+            arguments of the wrapped optimizer, forwarded on emitting calls.
+
+        Returns:
+          ``(updates, new_state)``: exact zeros mid-window, the wrapped
+          optimizer's updates on the emitting call, with the dtypes the wrapped
+          optimizer gives in both cases.
+        """
+        weight = extra_args.pop("weight", None)
+        if weight is not None:
+            weight = _check_weight(weight)
+        every_k = self._every_k(state.gradient_step)
+        should_skip, skip_state = self._should_skip_update_fn(
+            updates, state.gradient_step, params
+        )
+        should_skip = jnp.asarray(should_skip)
+        if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+            raise ValueError(
+                "should_skip_update_fn must return a boolean scalar first, got "
+                f"dtype {should_skip.dtype} and shape {should_skip.shape}."
+            )
+        emit = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
+        # The reset is lazy: the first accepted call of a window overwrites the
+        # previous window's sum instead of an extra pass writing zeros.
+        window_start = state.mini_step == 0
+
+        def add_to_window(acc: jax.Array, grad: jax.Array) -> jax.Array:
+            grad = grad.astype(acc.dtype)
+            if weight is not None:
+                grad = weight.astype(acc.dtype) * grad
+            new_sum = jnp.where(window_start, grad, acc + grad)
+            # Selects, not branches: they fuse into the add's single pass.
+            return jnp.where(should_skip, acc, new_sum)
+
+        acc_grads = jax.tree.map(add_to_window, state.acc_grads, updates)
+        acc_weight = add_to_window(
+            jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
+        )
+
+        def inner_update(grads, inner_opt_state):
+            return self._opt.update(grads, inner_opt_state, params, **extra_args)
+
+        def emit_window(acc_grads, inner_opt_state):
+            grads = acc_grads
+            if self._use_grad_mean:
+                grads = divide_by_total_weight(acc_grads, acc_weight)
+            new_updates, new_inner_state = inner_update(
+                optax.tree.cast_like(grads, updates), inner_opt_state
+            )
+            # Both branches must return the same dtypes; keep the state's (as
+            # optax does), which also keeps it stable as a lax.scan carry.
+            new_inner_state = jax.tree.map(
+                lambda new, old: (
+                    new if new.dtype == old.dtype else new.astype(old.dtype)
+                ),
+                new_inner_state,
+                inner_opt_state,
+            )
+            return new_updates, new_inner_state
+
+        def mid_window(acc_grads, inner_opt_state):
+            # Zeros with the dtypes the inner update would give.
+            update_shapes, _ = jax.eval_shape(emit_window, acc_grads, inner_opt_state)
+            return optax.tree.zeros_like(update_shapes), inner_opt_state
+
+        # The inner state is passed through untouched mid-window; with the
+        # state donated, XLA keeps it in place.
+        new_updates, inner_opt_state = jax.lax.cond(
+            emit, emit_window, mid_window, acc_grads, state.inner_opt_state
+        )
+        new_state = MultiStepsState(
+            mini_step=jnp.where(
+                emit, 0, jnp.where(should_skip, state.mini_step, state.mini_step + 1)
+            ).astype(jnp.int32),
+            gradient_step=jnp.where(
+                emit, optax.safe_increment(state.gradient_step), state.gradient_step
+            ),
+            inner_opt_state=inner_opt_state,
+            acc_grads=acc_grads,
+            skip_state=skip_state,
+            acc_weight=acc_weight,
+        )
+        return new_updates, new_state
+
+    def has_updated(self, state: MultiStepsState | chex.ArrayTree) -> jax.Array:
+        """Returns whether the call that produced ``state`` emitted an update.
+
+        Args:
+          state: a `MultiStepsState`.
+
+        Returns:
+          A boolean scalar: True right after a window's emitting call.
+        """
+        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        """Returns this wrapper as an ``optax.GradientTransformationExtraArgs``."""
+        return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+
+def accumulate(
+    opt: optax.GradientTransformation,
+    every_k: EveryKSchedule,
+    *,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
+    accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``opt`` to step once per ``every_k`` calls; functional `MultiSteps`.
+
+    Args:
+      opt: the wrapped optimizer.
+      every_k: calls per window, an int >= 1 or a function of ``gradient_step``.
+      use_grad_mean: emit the window's (weighted) mean if True, else its sum.
+      should_skip_update_fn: optional, e.g. ``optax.skip_not_finite``.
+      accumulator_dtype: dtype of the accumulator, float32 by default.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      `MultiStepsState` and whose ``update`` accepts ``weight=``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jaxaccum
+      >>> opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+      >>> opt = jaxaccum.accumulate(opt, every_k=4)
+      >>> params = {"w": jnp.zeros(3)}
+      >>> state = opt.init(params)
+      >>> updates, state = opt.update({"w": jnp.ones(3)}, state, params, weight=7)
+      >>> updates["w"]
+      Array([0., 0., 0.], dtype=float32)
+    """
+    return MultiSteps(
+        opt,
+        every_k,
+        use_grad_mean=use_grad_mean,
+        should_skip_update_fn=should_skip_update_fn,
+        accumulator_dtype=accumulator_dtype,
+    ).gradient_transformation()
