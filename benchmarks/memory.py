@@ -15,11 +15,13 @@ import argparse
 
 import jax
 import optax
-from common import memory, mlp_batch, mlp_loss, mlp_params, write_json
+from common import write_json
 from rich.console import Console
 from rich.table import Table
 
 import jaxaccum
+from jaxaccum import _models
+from jaxaccum.bench import footprint
 
 # name -> layer sizes (input, hidden..., classes)
 MODELS = {
@@ -28,21 +30,25 @@ MODELS = {
 }
 
 
+def temp_bytes(fun, *args) -> int:
+    return footprint(jax.jit(fun).lower(*args).compile())[0]
+
+
 def measure(sizes, batch_size: int, num_microbatches: int) -> dict:
-    params = mlp_params(sizes)
-    batch = mlp_batch(batch_size, sizes[0], sizes[-1])
+    task = _models.mlp_task(sizes[0], sizes[1:-1], sizes[-1])
+    batch = task.make_batch(jax.random.key(0), batch_size)
     optax_microbatched = optax.microbatching.microbatch(
-        jax.grad(mlp_loss),
+        jax.grad(task.loss),
         argnums=1,
         microbatch_size=batch_size // num_microbatches,
         accumulator=optax.microbatching.AccumulationType.MEAN,
     )
     temps = {
-        "full_batch": memory(jax.value_and_grad(mlp_loss), params, batch)["temp"],
-        "jaxaccum": memory(
-            jaxaccum.value_and_grad(mlp_loss, num_microbatches), params, batch
-        )["temp"],
-        "optax_microbatching": memory(optax_microbatched, params, batch)["temp"],
+        "full_batch": temp_bytes(jax.value_and_grad(task.loss), task.params, batch),
+        "jaxaccum": temp_bytes(
+            jaxaccum.value_and_grad(task.loss, num_microbatches), task.params, batch
+        ),
+        "optax_microbatching": temp_bytes(optax_microbatched, task.params, batch),
     }
     return {
         "temp_bytes": temps,
