@@ -6,6 +6,7 @@ import chex
 import jax
 import numpy as np
 
+from jaxaccum._diagnose import Cause, Diagnosis, diagnose  # noqa: F401
 from jaxaccum.grad import value_and_grad
 
 
@@ -39,6 +40,32 @@ def _value_and_grads(accumulated_fun: Any, args: tuple, kwargs: dict) -> tuple:
     if kwargs.get("has_aux", False):
         return result[0][0], result[1]
     return result
+
+
+def _reference_kwargs(value_and_grad_kwargs: dict) -> dict:
+    """The kwargs for the one-micro-batch (full-batch) reference."""
+    return {
+        key: value
+        for key, value in value_and_grad_kwargs.items()
+        if key != "microbatch_size"
+    }
+
+
+def _accumulated_and_reference(
+    fun: Any, args: tuple, num_microbatches: int | None, value_and_grad_kwargs: dict
+) -> tuple[tuple, tuple]:
+    """(value, grads) with ``N`` micro-batches and with one, both under jit."""
+    accumulated = _value_and_grads(
+        value_and_grad(fun, num_microbatches, **value_and_grad_kwargs),
+        args,
+        value_and_grad_kwargs,
+    )
+    reference = _value_and_grads(
+        value_and_grad(fun, 1, **_reference_kwargs(value_and_grad_kwargs)),
+        args,
+        value_and_grad_kwargs,
+    )
+    return accumulated, reference
 
 
 def assert_grads_match_full_batch(
@@ -78,18 +105,8 @@ def assert_grads_match_full_batch(
       >>> jaxaccum.testing.assert_grads_match_full_batch(
       ...     loss, jnp.ones(3), jnp.ones((8, 3)), num_microbatches=4)
     """
-    reference_kwargs = {
-        key: value
-        for key, value in value_and_grad_kwargs.items()
-        if key != "microbatch_size"
-    }
-    accumulated = _value_and_grads(
-        value_and_grad(fun, num_microbatches, **value_and_grad_kwargs),
-        args,
-        value_and_grad_kwargs,
-    )
-    reference = _value_and_grads(
-        value_and_grad(fun, 1, **reference_kwargs), args, value_and_grad_kwargs
+    accumulated, reference = _accumulated_and_reference(
+        fun, args, num_microbatches, value_and_grad_kwargs
     )
     try:
         chex.assert_trees_all_close(accumulated, reference, rtol=rtol, atol=atol)

@@ -1,0 +1,544 @@
+"""Flax integration: accumulate Linen and NNX models, their state carried in order.
+
+Models carry state besides parameters: BatchNorm statistics (Linen's
+``batch_stats`` collection, NNX's ``nnx.BatchStat``) and, in NNX, the RNG
+streams' counters. These helpers build on :func:`jaxaccum.value_and_grad`: the
+parameters are differentiated, the state is carried through the micro-batches
+in order (micro-batch ``k`` sees the state micro-batch ``k - 1`` left), so after
+a window it is what ``N`` sequential forward passes in training mode leave,
+which is what PyTorch and Keras do when they accumulate.
+
+BatchNorm cannot match the big batch. In training mode it normalizes each
+example with the mean and variance of the batch it is in, so an example's
+output, and the gradient, depend on the other examples: with micro-batches the
+statistics come from ``B / N`` examples instead of ``B``, and no accumulation
+scheme can give the big-batch gradient (:func:`linen_diagnose`,
+:func:`nnx_diagnose` and ``jaxaccum.testing.diagnose`` name this). The running
+statistics also average ``N`` micro-batch estimates, which are noisier than one
+big-batch estimate. Micro-batch statistics are acceptable when a micro-batch is
+large enough to estimate them (a few dozen examples per BatchNorm, as in
+data-parallel training, where each device normalizes over its own shard
+anyway). Otherwise use a per-example normalization, which makes the model exact
+under accumulation: ``GroupNorm`` for convolutional networks, ``LayerNorm`` (or
+``RMSNorm``) elsewhere.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.core
+from flax import nnx
+from flax.training import train_state
+
+from jaxaccum._diagnose import Diagnosis, diagnose
+from jaxaccum.grad import value_and_grad
+
+_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
+
+
+def _check_kwargs(helper: str, value_and_grad_kwargs: dict) -> None:
+    taken = sorted(set(_ROLES) & set(value_and_grad_kwargs))
+    if taken:
+        raise TypeError(
+            f"{helper} sets {', '.join(taken)} itself: it differentiates the "
+            "parameters, splits the batch (the second argument) and carries the "
+            "model's state. Pass other arguments unchanged after the batch; use "
+            "jaxaccum.value_and_grad for other layouts."
+        )
+
+
+def _collection_names(mutable: str | Sequence[str] | bool) -> tuple[str, ...]:
+    if isinstance(mutable, str):
+        return (mutable,)
+    if not isinstance(mutable, Sequence) or not all(
+        isinstance(name, str) for name in mutable
+    ):
+        raise TypeError(
+            "mutable must name the collections fun updates, e.g. "
+            f"mutable='batch_stats' or ['batch_stats'], got {mutable!r}."
+        )
+    return tuple(mutable)
+
+
+def linen_value_and_grad(
+    fun: Callable[..., Any],
+    num_microbatches: int | None = None,
+    *,
+    mutable: str | Sequence[str] = (),
+    has_aux: bool = False,
+    **value_and_grad_kwargs: Any,
+) -> Callable[..., Any]:
+    """Accumulates a loss that calls a Linen ``model.apply``, state and rngs too.
+
+    ``fun(variables, batch, *args, **kwargs)`` calls ``model.apply(variables,
+    ..., mutable=mutable, rngs=rngs)`` and returns ``(loss, updates)``: the
+    loss (or ``(loss, aux)`` with ``has_aux``) and the collections ``apply``
+    returned. The ``"params"`` collection is differentiated; the ``mutable``
+    collections are carried through the micro-batches in order, so BatchNorm's
+    ``batch_stats`` after a window equal ``N`` sequential training-mode forward
+    passes over the micro-batches; other collections are passed unchanged.
+    ``rngs`` (a dict of PRNG keys, e.g. ``{"dropout": key}``) is split per
+    micro-batch: micro-batch ``k`` gets ``jax.random.split(key, N)[k]`` for
+    each stream (with ``N == 1`` the keys are passed unchanged).
+
+    A collection's structure must stay fixed: collections that ``apply``
+    creates on the way (``intermediates`` from ``sow``) cannot be carried;
+    return what you need from them as aux instead.
+
+    Args:
+      fun: ``fun(variables, batch, *args, **kwargs)``, called with ``rngs=`` as
+        a keyword argument when the caller passes ``rngs``. Returns ``(out,
+        updates)`` with ``mutable``, else ``out``; ``out`` is the loss, or
+        ``(loss, aux)`` with ``has_aux``, or what ``reduction="weighted"``
+        expects.
+      num_microbatches: ``N``, as for :func:`jaxaccum.value_and_grad`.
+      mutable: the collections ``fun`` updates (what it passes to ``apply``'s
+        ``mutable``), e.g. ``"batch_stats"``.
+      has_aux: whether ``out`` is ``(loss, aux)``.
+      **value_and_grad_kwargs: the other :func:`jaxaccum.value_and_grad`
+        arguments (``microbatch_size``, ``reduction``, ``aux_reduction``,
+        ``accum_dtype``, ``pad``, ``unroll``, ``remat``).
+
+    Returns:
+      ``accumulated(variables, batch, *args, rngs=None, **kwargs)`` returning
+      ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``), where
+      ``grads`` is like ``variables["params"]``; with ``mutable``,
+      ``(that, updates)``, ``updates`` holding the ``mutable`` collections after
+      the window, as ``apply`` returns them.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import jaxaccum.flax
+      >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False), nn.Dense(1)])
+      >>> x = jnp.arange(24.0).reshape(8, 3)
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> def loss_fn(variables, x):
+      ...     out, updates = model.apply(variables, x, mutable="batch_stats")
+      ...     return jnp.mean(out**2), updates
+      >>> accumulated = jaxaccum.flax.linen_value_and_grad(
+      ...     loss_fn, num_microbatches=2, mutable="batch_stats")
+      >>> (loss, grads), updates = jax.jit(accumulated)(variables, x)
+      >>> jax.tree.map(jnp.shape, updates)
+      {'batch_stats': {'layers_1': {'mean': (4,), 'var': (4,)}}}
+    """
+    _check_kwargs("linen_value_and_grad", value_and_grad_kwargs)
+    collections = _collection_names(mutable)
+    accumulate = value_and_grad(
+        _linen_loss(fun, collections, has_aux),
+        num_microbatches,
+        argnums=0,
+        batch_argnums=2,
+        key_argnums=3,
+        state_argnums=1 if collections else (),
+        has_aux=has_aux,
+        **value_and_grad_kwargs,
+    )
+
+    def accumulated(
+        variables: Any, batch: Any, *args: Any, rngs: Any = None, **kwargs: Any
+    ) -> Any:
+        params, state, others = _linen_split(variables, collections)
+        return accumulate(params, state, batch, rngs, others, *args, **kwargs)
+
+    return accumulated
+
+
+def _linen_loss(
+    fun: Callable[..., Any], collections: tuple[str, ...], has_aux: bool
+) -> Callable:
+    """``fun`` as ``loss(params, state, batch, rngs, others, *args)``."""
+
+    def loss(params, state, batch, rngs, others, *args, **kwargs):
+        variables = {**others, **state, "params": params}
+        if rngs is not None:
+            kwargs = {**kwargs, "rngs": rngs}
+        out = fun(variables, batch, *args, **kwargs)
+        if not collections:
+            if not has_aux and _looks_like_updates(out):
+                raise TypeError(
+                    "fun returned (out, updates), the collections apply "
+                    f"updated ({sorted(out[1])}), but mutable=(). Pass the "
+                    "collections model.apply mutates as mutable=[...]."
+                )
+            return out
+        out, updates = out
+        updates = flax.core.unfreeze(updates)
+        if set(updates) != set(collections):
+            raise ValueError(
+                f"fun returned the collections {sorted(updates)}, but mutable="
+                f"{list(collections)}. Pass the same collections to "
+                "linen_value_and_grad's mutable and model.apply's mutable."
+            )
+        return out, updates
+
+    return loss
+
+
+def _looks_like_updates(out: Any) -> bool:
+    return (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[1], Mapping)
+        and all(isinstance(name, str) for name in out[1])
+    )
+
+
+def _linen_split(variables: Any, collections: tuple[str, ...]) -> tuple:
+    """``variables`` as (params, mutable collections, other collections)."""
+    variables = flax.core.unfreeze(variables)
+    missing = [name for name in ("params", *collections) if name not in variables]
+    if missing:
+        raise ValueError(
+            f"variables has no collection(s) {missing}; it has "
+            f"{sorted(variables)}. Pass the whole variables dict model.init "
+            "returned, and name in mutable only collections it holds."
+        )
+    state = {name: variables[name] for name in collections}
+    others = {
+        name: value
+        for name, value in variables.items()
+        if name != "params" and name not in collections
+    }
+    return variables["params"], state, others
+
+
+def linen_diagnose(
+    fun: Callable[..., Any],
+    variables: Any,
+    batch: Any,
+    *args: Any,
+    num_microbatches: int | None = None,
+    mutable: str | Sequence[str] = (),
+    rngs: Any = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **value_and_grad_kwargs: Any,
+) -> Diagnosis:
+    """:func:`jaxaccum.testing.diagnose` for a loss of :func:`linen_value_and_grad`.
+
+    Compares :func:`linen_value_and_grad` with ``N`` micro-batches and with one
+    (the full batch), and names why they differ, e.g. BatchNorm.
+
+    Args:
+      fun: as for :func:`linen_value_and_grad`.
+      variables: the model's variables.
+      batch: the batch.
+      *args: more arguments of ``fun``, passed unchanged.
+      num_microbatches: ``N``; or pass ``microbatch_size``.
+      mutable: the collections ``fun`` updates.
+      rngs: PRNG keys for ``apply``, split per micro-batch.
+      rtol: relative tolerance.
+      atol: absolute tolerance.
+      **value_and_grad_kwargs: other :func:`jaxaccum.value_and_grad`
+        arguments (``has_aux``, ``reduction``, ...).
+
+    Returns:
+      A :class:`jaxaccum.testing.Diagnosis`; ``print`` it for the report.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import jaxaccum.flax
+      >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False), nn.Dense(1)])
+      >>> x = jax.random.normal(jax.random.key(0), (8, 3))
+      >>> variables = model.init(jax.random.key(1), x)
+      >>> def loss_fn(variables, x):
+      ...     out, updates = model.apply(variables, x, mutable="batch_stats")
+      ...     return jnp.mean(out**2), updates
+      >>> diagnosis = jaxaccum.flax.linen_diagnose(
+      ...     loss_fn, variables, x, num_microbatches=2, mutable="batch_stats")
+      >>> [cause.kind for cause in diagnosis.causes]
+      ['batch_dependent']
+    """
+    _check_kwargs("linen_diagnose", value_and_grad_kwargs)
+    collections = _collection_names(mutable)
+    params, state, others = _linen_split(variables, collections)
+    return diagnose(
+        _linen_loss(fun, collections, value_and_grad_kwargs.get("has_aux", False)),
+        params,
+        state,
+        batch,
+        rngs,
+        others,
+        *args,
+        num_microbatches=num_microbatches,
+        rtol=rtol,
+        atol=atol,
+        argnums=0,
+        batch_argnums=2,
+        key_argnums=() if rngs is None else 3,
+        state_argnums=1 if collections else (),
+        **value_and_grad_kwargs,
+    )
+
+
+def linen_train_step(
+    fun: Callable[..., Any],
+    num_microbatches: int | None = None,
+    *,
+    mutable: str | Sequence[str] = (),
+    has_aux: bool = False,
+    **value_and_grad_kwargs: Any,
+) -> Callable[..., Any]:
+    """A ``TrainState`` step: accumulate a window, then one ``apply_gradients``.
+
+    Runs :func:`linen_value_and_grad` on ``{"params": state.params, <each
+    mutable collection>: state.<collection>}`` and the batch, then calls
+    ``state.apply_gradients`` once with the window's gradient and the updated
+    collections: the optimizer, its step count and schedules see one step per
+    window. Keep each mutable collection in a field of the same name, i.e.
+    subclass ``flax.training.train_state.TrainState`` with ``batch_stats:
+    Any``.
+
+    Args:
+      fun: as for :func:`linen_value_and_grad`; call ``model.apply`` (or
+        ``state.apply_fn``, closed over) in it.
+      num_microbatches: ``N``, as for :func:`jaxaccum.value_and_grad`.
+      mutable: the collections ``fun`` updates, stored back into ``state``.
+      has_aux: whether ``fun``'s loss comes with aux, ``(loss, aux)``.
+      **value_and_grad_kwargs: the other :func:`jaxaccum.value_and_grad`
+        arguments.
+
+    Returns:
+      ``step(state, batch, *args, rngs=None, **kwargs) -> (new_state, loss)``
+      (``(new_state, (loss, aux))`` with ``has_aux``). Wrap it in ``jax.jit``.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, optax
+      >>> from flax.training import train_state
+      >>> import jaxaccum.flax
+      >>> class TrainState(train_state.TrainState):
+      ...     batch_stats: dict
+      >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False), nn.Dense(1)])
+      >>> x = jnp.arange(24.0).reshape(8, 3)
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> state = TrainState.create(apply_fn=model.apply, tx=optax.sgd(0.1),
+      ...     params=variables["params"], batch_stats=variables["batch_stats"])
+      >>> def loss_fn(variables, x):
+      ...     out, updates = model.apply(variables, x, mutable="batch_stats")
+      ...     return jnp.mean(out**2), updates
+      >>> step = jax.jit(jaxaccum.flax.linen_train_step(
+      ...     loss_fn, num_microbatches=4, mutable="batch_stats"))
+      >>> state, loss = step(state, x)
+      >>> int(state.step)
+      1
+    """
+    collections = _collection_names(mutable)
+    accumulate = linen_value_and_grad(
+        fun,
+        num_microbatches,
+        mutable=collections,
+        has_aux=has_aux,
+        **value_and_grad_kwargs,
+    )
+
+    def step(
+        state: train_state.TrainState,
+        batch: Any,
+        *args: Any,
+        rngs: Any = None,
+        **kwargs: Any,
+    ) -> tuple[train_state.TrainState, Any]:
+        missing = [name for name in collections if not hasattr(state, name)]
+        if missing:
+            raise AttributeError(
+                f"{type(state).__name__} has no field(s) {missing} to keep the "
+                "mutable collections in. Subclass TrainState with them, e.g. "
+                "class TrainState(train_state.TrainState): batch_stats: Any."
+            )
+        variables = {"params": state.params}
+        variables.update({name: getattr(state, name) for name in collections})
+        result = accumulate(variables, batch, *args, rngs=rngs, **kwargs)
+        updates = {}
+        if collections:
+            result, updates = result
+        loss, grads = result
+        return state.apply_gradients(grads=grads, **updates), loss
+
+    return step
+
+
+def nnx_value_and_grad(
+    fun: Callable[..., Any],
+    num_microbatches: int | None = None,
+    *,
+    wrt: Any = nnx.Param,
+    has_aux: bool = False,
+    **value_and_grad_kwargs: Any,
+) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` over micro-batches, the model's state carried in order.
+
+    ``fun(model, batch, *args, **kwargs)`` returns the loss (or ``(loss, aux)``
+    with ``has_aux``) and may update the model's state as it runs. The model's
+    ``wrt`` Variables (``nnx.Param``) are differentiated; every other Variable
+    (``nnx.BatchStat``, the RNG streams' counters, any Variable of your own) is
+    carried through the micro-batches in order and written back into the model
+    after the window: BatchNorm statistics equal ``N`` sequential training-mode
+    forward passes over the micro-batches, and an RNG stream advances as in
+    those passes (a stream drawn once per forward pass advances ``N`` times per
+    window, so micro-batches draw different dropout masks, and the same model
+    state gives bitwise the same result). Works in ``nnx.jit`` and, on a model
+    merged inside the function, ``jax.jit``.
+
+    Variables that ``fun`` creates (``sow``, lazy initialization) cannot be
+    carried; ``nnx.pop`` them inside ``fun`` and return what you need as aux.
+    Other NNX objects (``nnx.Rngs``, modules) must be reachable from the model,
+    not passed as separate arguments.
+
+    Args:
+      fun: the loss, ``fun(model, batch, *args, **kwargs)``; ``batch`` is split
+        into micro-batches, other arguments are passed unchanged.
+      num_microbatches: ``N``, as for :func:`jaxaccum.value_and_grad`.
+      wrt: an ``nnx`` filter of the Variables to differentiate, as for
+        ``nnx.Optimizer``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      **value_and_grad_kwargs: the other :func:`jaxaccum.value_and_grad`
+        arguments (``microbatch_size``, ``reduction``, ``aux_reduction``,
+        ``accum_dtype``, ``pad``, ``unroll``, ``remat``).
+
+    Returns:
+      ``accumulated(model, batch, *args, **kwargs)`` returning ``(loss,
+      grads)`` (``((loss, aux), grads)`` with ``has_aux``), ``grads`` an
+      ``nnx.State`` of the ``wrt`` Variables, ready for
+      ``optimizer.update(model, grads)``. The model's other state is updated
+      in place.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import jaxaccum.flax
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+      ...                        nnx.BatchNorm(4, rngs=nnx.Rngs(0)))
+      >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> def loss_fn(model, x):
+      ...     return jnp.mean(model(x) ** 2)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, x):
+      ...     loss, grads = jaxaccum.flax.nnx_value_and_grad(
+      ...         loss_fn, num_microbatches=2)(model, x)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> loss = train_step(model, optimizer, jnp.arange(24.0).reshape(8, 3))
+      >>> model.layers[1].mean[...].shape
+      (4,)
+    """
+    _check_kwargs("nnx_value_and_grad", value_and_grad_kwargs)
+
+    def accumulated(model: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_no_graph_nodes(args)
+        micro_loss, params, state = _nnx_loss(fun, model, wrt)
+        result, new_state = value_and_grad(
+            micro_loss,
+            num_microbatches,
+            argnums=0,
+            batch_argnums=2,
+            state_argnums=1,
+            has_aux=has_aux,
+            **value_and_grad_kwargs,
+        )(params, state, batch, *args, **kwargs)
+        nnx.update(model, new_state)
+        return result
+
+    return accumulated
+
+
+def nnx_diagnose(
+    fun: Callable[..., Any],
+    model: Any,
+    batch: Any,
+    *args: Any,
+    num_microbatches: int | None = None,
+    wrt: Any = nnx.Param,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **value_and_grad_kwargs: Any,
+) -> Diagnosis:
+    """:func:`jaxaccum.testing.diagnose` for a loss of :func:`nnx_value_and_grad`.
+
+    Compares :func:`nnx_value_and_grad` with ``N`` micro-batches and with one
+    (the full batch), and names why they differ. The model is not changed.
+
+    Args:
+      fun: as for :func:`nnx_value_and_grad`.
+      model: the ``nnx.Module``.
+      batch: the batch.
+      *args: more arguments of ``fun``, passed unchanged.
+      num_microbatches: ``N``; or pass ``microbatch_size``.
+      wrt: an ``nnx`` filter of the Variables to differentiate.
+      rtol: relative tolerance.
+      atol: absolute tolerance.
+      **value_and_grad_kwargs: other :func:`jaxaccum.value_and_grad`
+        arguments (``has_aux``, ``reduction``, ...).
+
+    Returns:
+      A :class:`jaxaccum.testing.Diagnosis`; ``print`` it for the report.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxaccum.flax
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+      ...                        nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+      >>> x = jax.random.normal(jax.random.key(0), (8, 3))
+      >>> def loss_fn(model, x):
+      ...     return jnp.mean(model(x) ** 2)
+      >>> jaxaccum.flax.nnx_diagnose(loss_fn, model, x, num_microbatches=4).matches
+      True
+    """
+    _check_kwargs("nnx_diagnose", value_and_grad_kwargs)
+    _check_no_graph_nodes(args)
+    loss, params, state = _nnx_loss(fun, model, wrt)
+    return diagnose(
+        loss,
+        params,
+        state,
+        batch,
+        *args,
+        num_microbatches=num_microbatches,
+        rtol=rtol,
+        atol=atol,
+        argnums=0,
+        batch_argnums=2,
+        state_argnums=1,
+        **value_and_grad_kwargs,
+    )
+
+
+def _check_no_graph_nodes(args: tuple) -> None:
+    for index, arg in enumerate(args):
+        if nnx.graph.is_graph_node(arg):
+            raise TypeError(
+                f"Argument {index + 2} is an NNX {type(arg).__name__}; only the "
+                "state of the model (the first argument) is carried through the "
+                "micro-batches. Make it an attribute of the model."
+            )
+
+
+def _nnx_loss(fun: Callable[..., Any], model: Any, wrt: Any) -> tuple:
+    """``fun`` as ``loss(params, state, batch, *args) -> (out, new_state)``, with
+    the model's ``wrt`` Variables as ``params`` and the rest as ``state``."""
+    graphdef, params, state = nnx.split(model, wrt, ...)
+
+    def loss(params, state, batch, *args, **kwargs):
+        # copy=True: the Variables must belong to this trace to be updated.
+        model = nnx.merge(graphdef, params, state, copy=True)
+        out = fun(model, batch, *args, **kwargs)
+        _, _, new_state = nnx.split(model, wrt, ...)
+        _check_same_variables(state, new_state)
+        return out, new_state
+
+    return loss, params, state
+
+
+def _check_same_variables(state: nnx.State, new_state: nnx.State) -> None:
+    """The model after ``fun`` must hold the same non-differentiated Variables."""
+    before = {path for path, _ in nnx.to_flat_state(state)}
+    after = {path for path, _ in nnx.to_flat_state(new_state)}
+    if before != after:
+        added = ["/".join(map(str, path)) for path in sorted(after - before)]
+        removed = ["/".join(map(str, path)) for path in sorted(before - after)]
+        raise ValueError(
+            f"fun changed which Variables the model holds (added: {added}, "
+            f"removed: {removed}); the model's state is carried from one "
+            "micro-batch to the next, so it must keep its Variables. nnx.pop "
+            "sown intermediates inside fun and return them as aux."
+        )
