@@ -2,6 +2,7 @@
 
 from jaxaccum import testing
 from jaxaccum._reduce import masked_sum
+from jaxaccum.distributed import count_collectives, shard_batch, shard_value_and_grad
 from jaxaccum.grad import grad, value_and_grad
 from jaxaccum.memory import MemoryPlan, parse_memory_budget, plan
 from jaxaccum.optimizer import MultiSteps, MultiStepsState, accumulate
@@ -14,10 +15,13 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "accumulate",
+    "count_collectives",
     "grad",
     "masked_sum",
     "parse_memory_budget",
     "plan",
+    "shard_batch",
+    "shard_value_and_grad",
     "split_batch",
     "testing",
     "value_and_grad",

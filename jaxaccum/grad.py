@@ -52,6 +52,32 @@ def _split_keys(keys: Any, num_microbatches: int) -> Any:
     return jax.tree.map(lambda key: jax.random.split(key, num_microbatches), keys)
 
 
+def _zeros(shape: Any, dtype: Any) -> jax.Array:
+    """Zeros like ``shape`` (an aval), sharded like it under an Explicit mesh.
+
+    There a scan carry's type includes its sharding, so an accumulator must start
+    sharded as the gradient it sums (e.g. a parameter sharded over a model axis).
+    """
+    return jnp.zeros(shape.shape, dtype, out_sharding=split.explicit_sharding(shape))
+
+
+def _per_device_inputs(
+    diff_vals: tuple, key_vals: tuple, data_axes: tuple[str, ...]
+) -> tuple[tuple, tuple]:
+    """Prepares replicated inputs for a window accumulated per device.
+
+    Parameters are cast to varying over the data axes: differentiating an
+    invariant input inside ``shard_map`` would psum its cotangent (the transpose
+    of the implicit cast) in every micro-batch's backward pass, which is what
+    deferring the reduction avoids. Keys are folded with the device's index so
+    devices draw independent randomness for their rows.
+    """
+    device_index = lax.axis_index(data_axes)
+    return lax.pcast(diff_vals, data_axes, to="varying"), jax.tree.map(
+        lambda key: jax.random.fold_in(key, device_index), key_vals
+    )
+
+
 class _AuxPlan:
     """Per-leaf aux reductions, broadcast from the user's prefix tree."""
 
@@ -88,7 +114,7 @@ class _AuxPlan:
 
     def init(self) -> list:
         return [
-            jnp.zeros(leaf.shape, dtype)
+            _zeros(leaf, dtype)
             for leaf, reduction, dtype in zip(
                 self.leaves, self.reductions, self.accum_dtypes, strict=True
             )
@@ -176,31 +202,46 @@ class _Window:
         aux_plan: _AuxPlan,
         accum_dtype: Any,
         num_microbatches: int,
+        data_axes: tuple[str, ...],
     ):
         (self.value_shape, (self.weight_shape, _, _)), self.grads_shape = out_shape
         self.reduction = reduction
         self.aux_plan = aux_plan
         self.accum_dtype = accum_dtype
         self.num_microbatches = num_microbatches
+        self.data_axes = data_axes
         if reduction == "weighted" and jnp.shape(self.weight_shape) != ():
             raise TypeError(
                 "With reduction='weighted', the weight fun returns must be a "
                 f"scalar, got shape {jnp.shape(self.weight_shape)}."
+            )
+        per_device = {"stack", "last"} & set(aux_plan.reductions)
+        if data_axes and per_device:
+            raise ValueError(
+                f"aux_reduction {sorted(per_device)} is not supported when each "
+                "device accumulates its own rows (shard_value_and_grad): a "
+                "per-micro-batch aux value would be one device's, not the "
+                "batch's. Use 'mean' (averaged over micro-batches and devices, "
+                "exact for per-example means) or 'sum' for those aux leaves."
             )
 
     def _zeros(self, shape: Any) -> jax.Array:
         dtype = _accum_dtype_for(shape.dtype, self.accum_dtype)
         if not jnp.issubdtype(dtype, jnp.inexact):  # integer weights: float sum
             dtype = self.accum_dtype or jnp.float32
-        return jnp.zeros(shape.shape, dtype)
+        return _zeros(shape, dtype)
 
     def zeros(self) -> tuple:
-        return (
+        zeros = (
             self._zeros(self.value_shape),
             jax.tree.map(self._zeros, self.weight_shape),
             jax.tree.map(self._zeros, self.grads_shape),
             self.aux_plan.init(),
         )
+        if self.data_axes:
+            # Per-device sums differ between devices: the carry is varying.
+            return lax.pcast(zeros, self.data_axes, to="varying")
+        return zeros
 
     def add(self, sums: tuple, out: Any) -> tuple[tuple, list]:
         """Adds one micro-batch's results; returns (sums, aux to stack)."""
@@ -220,12 +261,18 @@ class _Window:
 
     def result(self, sums: tuple, stacked: list) -> tuple[Any, Any, Any]:
         """Normalises the sums; returns (value, aux, grads) in their own dtypes."""
+        num_means = self.num_microbatches
+        if self.data_axes:
+            # Deferred reduction: each device has summed its own rows over the
+            # whole window, and this is the window's only all-reduce.
+            sums = lax.psum(sums, self.data_axes)
+            num_means *= lax.axis_size(self.data_axes)
         value_sum, weight_sum, grads_sum, aux_carry = sums
         if self.reduction == "weighted":
             value, grads = divide_by_total_weight((value_sum, grads_sum), weight_sum)
         elif self.reduction == "mean":
             value, grads = jax.tree.map(
-                lambda total: total / self.num_microbatches, (value_sum, grads_sum)
+                lambda total: total / num_means, (value_sum, grads_sum)
             )
         else:
             value, grads = value_sum, grads_sum
@@ -234,7 +281,7 @@ class _Window:
             (value, grads),
             (self.value_shape, self.grads_shape),
         )
-        aux = self.aux_plan.finalize(aux_carry, stacked, self.num_microbatches)
+        aux = self.aux_plan.finalize(aux_carry, stacked, num_means)
         return value, aux, grads
 
 
@@ -345,6 +392,49 @@ def value_and_grad(
       >>> optax.apply_updates(params, updates)
       Array([0.25, 0.25, 0.25], dtype=float32)
     """
+    return _value_and_grad(
+        fun,
+        num_microbatches,
+        microbatch_size=microbatch_size,
+        argnums=argnums,
+        batch_argnums=batch_argnums,
+        key_argnums=key_argnums,
+        state_argnums=state_argnums,
+        has_aux=has_aux,
+        reduction=reduction,
+        aux_reduction=aux_reduction,
+        accum_dtype=accum_dtype,
+        pad=pad,
+        unroll=unroll,
+        remat=remat,
+        data_axes=(),
+    )
+
+
+def _value_and_grad(
+    fun: Callable[..., Any],
+    num_microbatches: int | None,
+    *,
+    microbatch_size: int | None,
+    argnums: int | Sequence[int],
+    batch_argnums: int | Sequence[int],
+    key_argnums: int | Sequence[int],
+    state_argnums: int | Sequence[int],
+    has_aux: bool,
+    reduction: str,
+    aux_reduction: Any,
+    accum_dtype: Any,
+    pad: bool,
+    unroll: int | bool,
+    remat: bool | Callable[..., Any],
+    data_axes: tuple[str, ...],
+) -> Callable[..., Any]:
+    """:func:`value_and_grad`; with ``data_axes``, for use inside ``shard_map``.
+
+    With ``data_axes`` (manual mesh axes the batch is split over), each device
+    accumulates the sums of its own rows and they are all-reduced once, after
+    the micro-batch loop; parameters and keys are prepared per device.
+    """
     if (num_microbatches is None) == (microbatch_size is None):
         raise ValueError(
             "Pass exactly one of num_microbatches (how many micro-batches) and "
@@ -399,6 +489,10 @@ def value_and_grad(
         num, padded_size = split.resolve_num_microbatches(
             batch_size, num_microbatches, microbatch_size, pad=pad
         )
+        if num > 1:
+            split.check_sharded_split(
+                [(f"args[{i}]", args[i]) for i in batch_nums], padded_size, num
+            )
         _check_differentiable(args, diff_nums)
 
         def micro_loss(diff_vals, batch_vals, key_vals, state_vals, example_mask):
@@ -431,12 +525,15 @@ def value_and_grad(
         diff_vals = tuple(args[i] for i in diff_nums)
         batch_vals = split.pad_batch(tuple(args[i] for i in batch_nums), padded_size)
         key_vals = tuple(args[i] for i in key_nums)
+        if data_axes:
+            diff_vals, key_vals = _per_device_inputs(diff_vals, key_vals, data_axes)
         state_vals = tuple(args[i] for i in state_nums)
         example_mask = jnp.arange(padded_size) < batch_size if pad else None
         settings = {
             "reduction": reduction,
             "accum_dtype": accum_dtype,
             "num_microbatches": num,
+            "data_axes": data_axes,
         }
 
         if num == 1:
@@ -486,6 +583,7 @@ def _scan(
     aux_reduction: Any,
     accum_dtype: Any,
     num_microbatches: int,
+    data_axes: tuple[str, ...],
     unroll: int | bool,
 ) -> tuple[Any, Any, Any, Any]:
     """Runs the micro-batches in one scan; returns (value, aux, grads, state)."""
@@ -505,6 +603,7 @@ def _scan(
         aux_plan=_AuxPlan(aux_reduction, out_shape[0][1][1], accum_dtype),
         accum_dtype=accum_dtype,
         num_microbatches=num_microbatches,
+        data_axes=data_axes,
     )
 
     def body(carry, xs):

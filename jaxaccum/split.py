@@ -7,6 +7,12 @@ rows stay on that device for every micro-batch; a contiguous split would give
 micro-batch ``k`` to a few devices only and make XLA move data between them.
 Indexing the view inside the scan (rather than materialising a transposed
 ``(N, B // N, ...)`` copy first) keeps the batch from being copied at all.
+
+With ``D`` devices on axis 0, device ``d`` holds rows ``[d B/D, (d+1) B/D)``,
+which are rows ``[d B/(D N), (d+1) B/(D N))`` of the view: the view stays
+sharded on its axis 0 when ``D`` divides ``B // N``. Under an Explicit mesh the
+reshape is given that sharding (it cannot be inferred), and other splits are an
+error (see :func:`check_sharded_split`).
 """
 
 from collections.abc import Sequence
@@ -16,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
 def _label(prefix: str, path: tuple) -> str:
@@ -120,14 +127,84 @@ def check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
+def explicit_sharding(aval: Any) -> NamedSharding | None:
+    """The sharding of ``aval`` (an aval or ShapeDtypeStruct) if it is on an
+    Explicit mesh, else None (no mesh, or Auto axes: XLA propagates those)."""
+    sharding = getattr(aval, "sharding", None)
+    if isinstance(sharding, NamedSharding) and (
+        AxisType.Explicit in sharding.mesh.axis_types
+    ):
+        return sharding
+    return None
+
+
+def _axis0_devices(leaf: Any) -> tuple[tuple[str, ...], int]:
+    """The Explicit mesh axes a leaf's axis 0 is sharded over, and their size."""
+    sharding = explicit_sharding(jax.typeof(leaf))
+    if sharding is None or not sharding.spec or sharding.spec[0] is None:
+        return (), 1
+    names = sharding.spec[0]
+    names = (names,) if isinstance(names, str) else tuple(names)
+    return names, int(np.prod([sharding.mesh.shape[name] for name in names]))
+
+
+def check_sharded_split(
+    batches: Sequence[tuple[str, Any]], batch_size: int, num_microbatches: int
+) -> None:
+    """Checks that each device holds the same rows of every micro-batch.
+
+    For a batch explicitly sharded over ``D`` devices on axis 0, micro-batch
+    ``k`` stays spread over all of them, without moving rows, only if ``D``
+    divides ``B // N`` (each device's ``B / D`` rows split into ``N`` equal
+    parts). Auto-sharded batches are not visible at trace time and not checked.
+
+    Args:
+      batches: ``(label, pytree)`` pairs; the label prefixes leaf paths in errors.
+      batch_size: ``B``, after any padding.
+      num_microbatches: ``N``.
+
+    Raises:
+      ValueError: naming the leaf, its mesh axes and the sizes, if not.
+    """
+    rows = batch_size // num_microbatches
+    for prefix, batch in batches:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            names, devices = _axis0_devices(leaf)
+            if rows % devices:
+                local = batch_size // devices
+                raise ValueError(
+                    f"Batch leaf {_label(prefix, path)} has {batch_size} rows "
+                    f"sharded over {devices} devices on axis 0 (mesh axes "
+                    f"{names}): {batch_size / devices:g} per device, which "
+                    f"num_microbatches={num_microbatches} does not split into "
+                    "equal parts, so micro-batches would move rows between "
+                    f"devices. Use a batch size that is a multiple of {devices} "
+                    f"* num_microbatches = {devices * num_microbatches}"
+                    + (
+                        f", or num_microbatches from {_divisors(local)}."
+                        if local and batch_size % devices == 0
+                        else "."
+                    )
+                )
+
+
 def strided_view(batch: Any, num_microbatches: int) -> Any:
-    """Reshapes every leaf ``(B, ...)`` to the free view ``(B // N, N, ...)``."""
-    return jax.tree.map(
-        lambda x: jnp.reshape(
-            x, (x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
-        ),
-        batch,
-    )
+    """Reshapes every leaf ``(B, ...)`` to the free view ``(B // N, N, ...)``.
+
+    Under an Explicit mesh the view keeps the leaf's sharding, axis 0's devices
+    on the view's axis 0 (valid after :func:`check_sharded_split`).
+    """
+
+    def view(x):
+        shape = (x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
+        sharding = explicit_sharding(jax.typeof(x))
+        if sharding is None:
+            return jnp.reshape(x, shape)
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        out = NamedSharding(sharding.mesh, PartitionSpec(spec[0], None, *spec[1:]))
+        return jnp.reshape(x, shape, out_sharding=out)
+
+    return jax.tree.map(view, batch)
 
 
 def take_microbatch(view: Any, index: jax.Array) -> Any:

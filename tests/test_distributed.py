@@ -1,0 +1,215 @@
+"""Data parallel accumulation: sharded batches, deferred all-reduce, multi-host.
+
+The multi-device checks need more devices than this process has, so they run
+in subprocesses: ``distributed_checks.py`` on 8 forced CPU devices (one process
+for all its checks), and ``multiprocess_worker.py`` as 2 processes x 2 devices
+talking over 127.0.0.1. Tolerances (float32): rtol=1e-5, atol=1e-6 against the
+single-device full-batch gradient.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed_checks import CHECKS
+from models import classification_batch, mlp_loss, mlp_loss_with_aux, mlp_params
+
+import jaxaccum
+
+RTOL, ATOL = 1e-5, 1e-6
+TESTS = pathlib.Path(__file__).parent
+
+
+def _env(num_devices: int) -> dict:
+    return {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+
+
+@pytest.fixture(scope="module")
+def eight_devices() -> dict:
+    """Runs every 8-device check in one subprocess; returns their results."""
+    process = subprocess.run(
+        [sys.executable, str(TESTS / "distributed_checks.py")],
+        env=_env(8),
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == 0, (
+        f"distributed_checks.py exited with {process.returncode}:\n"
+        f"{process.stderr[-4000:]}"
+    )
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_on_eight_devices(eight_devices, check):
+    result = eight_devices[check]
+    assert result["ok"], result["detail"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_single_process_full_batch(tmp_path):
+    """2 processes x 2 CPU devices, each feeding its own rows, over 127.0.0.1."""
+    from multiprocess_worker import problem
+
+    port, num_processes = _free_port(), 2
+    outputs = [tmp_path / f"process{i}.npz" for i in range(num_processes)]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(TESTS / "multiprocess_worker.py"),
+                str(port),
+                str(i),
+                str(num_processes),
+                str(outputs[i]),
+            ],
+            env=_env(2),
+            cwd=TESTS,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+    try:
+        logs = [process.communicate(timeout=240)[0] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for i, (process, log) in enumerate(zip(processes, logs, strict=True)):
+        assert process.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+
+    params, batch = problem()
+    value, grads = jax.jit(jax.value_and_grad(mlp_loss))(params, batch)
+    expected = {"value": value}
+    for path, grad in jax.tree_util.tree_leaves_with_path(grads):
+        expected[f"grads{jax.tree_util.keystr(path)}"] = grad
+    for i, output in enumerate(outputs):
+        with np.load(output) as results:
+            assert int(results["device_count"]) == 4
+            for mode in ("deferred", "per_microbatch"):
+                actual = {key: results[f"{mode}/{key}"] for key in expected}
+                try:
+                    chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)
+                except AssertionError as error:
+                    raise AssertionError(f"process {i}, {mode}: {error}") from None
+
+
+# Single-device behaviour (this process): a 1-device mesh is a valid mesh.
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return mlp_params(jax.random.key(0)), classification_batch(jax.random.key(1), 16)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((1,), ("data",))
+
+
+def test_one_device_mesh_equals_value_and_grad(mlp, mesh):
+    params, batch = mlp
+    expected = jax.jit(jaxaccum.value_and_grad(mlp_loss_with_aux, 4, has_aux=True))(
+        params, batch
+    )
+    actual = jax.jit(
+        jaxaccum.shard_value_and_grad(mlp_loss_with_aux, 4, mesh=mesh, has_aux=True)
+    )(params, jaxaccum.shard_batch(batch, mesh))
+    chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_mesh_from_context_microbatch_size_and_eager_call(mlp, mesh):
+    params, batch = mlp
+    expected = jax.jit(jax.value_and_grad(mlp_loss))(params, batch)
+    with jax.set_mesh(mesh):
+        # Eager, with a batch not on the mesh yet: it is resharded.
+        actual = jaxaccum.shard_value_and_grad(mlp_loss, microbatch_size=4)(
+            params, batch
+        )
+    chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_no_mesh_is_a_clear_error(mlp):
+    with pytest.raises(ValueError, match="No mesh: pass mesh="):
+        jaxaccum.shard_value_and_grad(mlp_loss, 2)(*mlp)
+
+
+def test_unknown_data_axis_is_named(mlp, mesh):
+    with pytest.raises(ValueError, match=r"data_axis \['batch'\] not in the mesh"):
+        jaxaccum.shard_value_and_grad(mlp_loss, 2, mesh=mesh, data_axis="batch")(*mlp)
+
+
+def test_rows_per_device_must_split(mlp):
+    mesh = jax.make_mesh((1,), ("data",))
+    params, batch = mlp
+    with pytest.raises(ValueError, match=r"16 rows per device.*\[1, 2, 4, 8, 16\]"):
+        jaxaccum.shard_value_and_grad(mlp_loss, 3, mesh=mesh)(params, batch)
+
+
+def test_per_device_aux_reductions_are_refused(mlp, mesh):
+    fun = jaxaccum.shard_value_and_grad(
+        mlp_loss_with_aux, 2, mesh=mesh, has_aux=True, aux_reduction="stack"
+    )
+    with pytest.raises(ValueError, match=r"\['stack'\] is not supported"):
+        fun(*mlp)
+
+
+def test_options_are_checked_at_construction():
+    with pytest.raises(ValueError, match="exactly one of num_microbatches"):
+        jaxaccum.shard_value_and_grad(mlp_loss)
+    with pytest.raises(TypeError, match="data_axis must be a mesh axis name"):
+        jaxaccum.shard_value_and_grad(mlp_loss, 2, data_axis=3)
+
+
+HLO = """\
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %all-reduce.1 = f32[4]{0} all-reduce(%x), to_apply=%add
+  ROOT %t = (s32[], f32[4]) tuple(%i, %all-reduce.1)
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %while.1 = (s32[], f32[4]) while(%init), condition=%cond, body=%body
+  %all-reduce.2 = (f32[], f32[4]{0}) all-reduce(%a, %b), to_apply=%add
+  ROOT %all-to-all.3 = f32[4]{0} all-to-all(%c), dimensions={0}
+}
+"""
+
+
+def test_count_collectives_separates_loop_from_the_rest():
+    counts = jaxaccum.count_collectives(HLO)
+    assert counts["all-reduce"] == {"loop": 1, "outside": 1}, counts
+    assert counts["all-to-all"] == {"loop": 0, "outside": 1}, counts
+    assert counts["collective-permute"] == {"loop": 0, "outside": 0}, counts
+
+
+def test_shard_batch_single_process(mesh):
+    batch = jaxaccum.shard_batch({"x": np.arange(6.0).reshape(3, 2)}, mesh)
+    np.testing.assert_array_equal(batch["x"], np.arange(6.0).reshape(3, 2))
+    assert batch["x"].sharding.spec == jax.P("data")
+    assert isinstance(batch["x"], jax.Array) and batch["x"].dtype == jnp.float32
