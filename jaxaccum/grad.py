@@ -2,7 +2,7 @@
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,32 @@ def _check_differentiable(args: tuple, argnums: tuple[int, ...]) -> None:
 
 def _split_keys(keys: Any, num_microbatches: int) -> Any:
     return jax.tree.map(lambda key: jax.random.split(key, num_microbatches), keys)
+
+
+class FiniteReport(NamedTuple):
+    """Which micro-batches of a window had a finite loss and gradient.
+
+    Returned by :func:`value_and_grad` with ``report_finite=True``. The flags
+    are taken per micro-batch inside the scan, before normalisation, so they
+    name the culprit even where the window's result hides it (a window of
+    zero total weight returns zeros).
+
+    Attributes:
+      microbatch_finite: bool ``(N,)``; entry ``k`` is True when micro-batch
+        ``k`` (examples ``k, k + N, ...``) gave a finite loss and gradient.
+      finite: bool scalar, all of them: use it to skip the update, e.g. with
+        ``jax.lax.cond(report.finite, apply_update, keep, ...)``.
+    """
+
+    microbatch_finite: jax.Array
+    finite: jax.Array
+
+
+def _all_finite(out: Any) -> jax.Array:
+    """Whether one micro-batch's loss and gradient are all finite."""
+    (value, _), grads = out
+    leaves = [jnp.asarray(value), *jax.tree.leaves(grads)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
 
 def _zeros(shape: Any, dtype: Any) -> jax.Array:
@@ -301,6 +327,7 @@ def value_and_grad(
     pad: bool = False,
     unroll: int | bool = 1,
     remat: bool | Callable[..., Any] = False,
+    report_finite: bool = False,
 ) -> Callable[..., Any]:
     """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
 
@@ -368,11 +395,14 @@ def value_and_grad(
       remat: ``True`` wraps the micro-batch loss in ``jax.checkpoint`` (its
         forward pass is recomputed in the backward pass); a checkpoint policy
         such as ``jax.checkpoint_policies.dots_saveable`` is used as the policy.
+      report_finite: also return a :class:`FiniteReport` saying which
+        micro-batches had a non-finite loss or gradient.
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``, or
       ``((value, aux), grads)`` with ``has_aux``; with ``state_argnums``, that
-      result and the new state: ``(result, new_state)``. ``grads`` has the
+      result and the new state: ``(result, new_state)``; with
+      ``report_finite``, all that and the report: ``(out, report)``. ``grads`` has the
       structure of ``args[argnums]`` (a tuple of them if ``argnums`` is a
       sequence).
 
@@ -407,6 +437,7 @@ def value_and_grad(
         pad=pad,
         unroll=unroll,
         remat=remat,
+        report_finite=report_finite,
         data_axes=(),
     )
 
@@ -428,6 +459,7 @@ def _value_and_grad(
     unroll: int | bool,
     remat: bool | Callable[..., Any],
     data_axes: tuple[str, ...],
+    report_finite: bool = False,
 ) -> Callable[..., Any]:
     """:func:`value_and_grad`; with ``data_axes``, for use inside ``shard_map``.
 
@@ -547,9 +579,10 @@ def _value_and_grad(
             sums, stacked = window.add(window.zeros(), out)
             value, aux, grads = window.result(sums, [x[None] for x in stacked])
             new_state = out[0][1][2]
+            microbatch_finite = _all_finite(out)[None]
             _check_state(state_vals, new_state, state_nums)
         else:
-            value, aux, grads, new_state = _scan(
+            value, aux, grads, new_state, microbatch_finite = _scan(
                 micro_value_and_grad,
                 diff_vals,
                 split.strided_view(batch_vals, num),
@@ -562,10 +595,12 @@ def _value_and_grad(
                 **settings,
             )
         grads = grads[0] if isinstance(argnums, int) else grads
-        result = ((value, aux), grads) if has_aux else (value, grads)
-        if not state_nums:
-            return result
-        return result, new_state[0] if isinstance(state_argnums, int) else new_state
+        out = ((value, aux), grads) if has_aux else (value, grads)
+        if state_nums:
+            out = out, new_state[0] if isinstance(state_argnums, int) else new_state
+        if report_finite:
+            return out, FiniteReport(microbatch_finite, jnp.all(microbatch_finite))
+        return out
 
     return accumulated
 
@@ -585,8 +620,11 @@ def _scan(
     num_microbatches: int,
     data_axes: tuple[str, ...],
     unroll: int | bool,
-) -> tuple[Any, Any, Any, Any]:
-    """Runs the micro-batches in one scan; returns (value, aux, grads, state)."""
+) -> tuple[Any, Any, Any, Any, jax.Array]:
+    """Runs the micro-batches in one scan.
+
+    Returns (value, aux, grads, state, per-micro-batch finite flags).
+    """
 
     def micro(index, micro_keys, state):
         mask = None if mask_view is None else split.take_microbatch(mask_view, index)
@@ -610,16 +648,16 @@ def _scan(
         sums, state = carry
         out = micro(*xs, state)
         sums, stacked = window.add(sums, out)
-        return (sums, out[0][1][2]), stacked
+        return (sums, out[0][1][2]), (stacked, _all_finite(out))
 
-    (sums, state), stacked = lax.scan(
+    (sums, state), (stacked, microbatch_finite) = lax.scan(
         body,
         (window.zeros(), state_vals),
         (jnp.arange(num_microbatches), keys),
         unroll=unroll,
     )
     value, aux, grads = window.result(sums, stacked)
-    return value, aux, grads, state
+    return value, aux, grads, state, microbatch_finite
 
 
 def grad(
@@ -628,7 +666,8 @@ def grad(
     """Like :func:`value_and_grad` but returns only the gradient.
 
     With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
-    ``state_argnums``, ``(that, new_state)``. All arguments are those of
+    ``state_argnums``, ``(that, new_state)``; with ``report_finite``, all that
+    and the :class:`FiniteReport`. All arguments are those of
     :func:`value_and_grad`.
 
     Example:
@@ -642,15 +681,17 @@ def grad(
     has_aux = kwargs.get("has_aux", False)
     has_state = bool(_as_tuple("state_argnums", kwargs.get("state_argnums", ())))
 
-    def only_grads(result):
-        out, grads = result
-        return (grads, out[1]) if has_aux else grads
+    def only_grads(out):
+        result, new_state = out if has_state else (out, None)
+        value_or_pair, grads = result
+        grads = (grads, value_or_pair[1]) if has_aux else grads
+        return (grads, new_state) if has_state else grads
 
     @functools.wraps(fun)
     def grad_fun(*args: Any, **call_kwargs: Any) -> Any:
-        result = value_and_grad_fun(*args, **call_kwargs)
-        if has_state:
-            return only_grads(result[0]), result[1]
-        return only_grads(result)
+        out = value_and_grad_fun(*args, **call_kwargs)
+        if kwargs.get("report_finite", False):
+            return only_grads(out[0]), out[1]
+        return only_grads(out)
 
     return grad_fun

@@ -256,6 +256,10 @@ class MultiSteps:
                 "should_skip_update_fn must return a boolean scalar first, got "
                 f"dtype {should_skip.dtype} and shape {should_skip.shape}."
             )
+        if weight is not None and self._should_skip_update_fn is not _never_skip:
+            # The skip function sees only the gradient; a NaN or inf weight
+            # would poison the window just the same.
+            should_skip = should_skip | ~jnp.isfinite(weight)
         emit = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
         # The reset is lazy: the first accepted call of a window overwrites the
         # previous window's sum instead of an extra pass writing zeros.

@@ -439,3 +439,12 @@ def test_state_that_changes_shape_is_named():
         jaxaccum.value_and_grad(bad, 2, state_argnums=2)(
             jnp.ones(3), jnp.ones((4, 3)), state
         )
+
+
+def test_grad_with_report_finite_returns_grads_and_report(mlp):
+    params, batch = mlp
+    bad = dict(batch, x=batch["x"].at[2].set(jnp.nan))  # micro-batch 2 of 4
+    grads, report = jaxaccum.grad(mlp_loss, 4, report_finite=True)(params, bad)
+    assert report.microbatch_finite.tolist() == [True, True, False, True]
+    assert not bool(report.finite)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)

@@ -34,7 +34,7 @@ def test_failure_names_leaf_error_and_n():
     message = str(info.value)
     assert "num_microbatches=4" in message
     assert "['grads']['w']: max abs error" in message
-    assert "max rel error 0.5" in message  # sqrt(8)/sqrt(2) / sqrt(8) = 0.5 off
+    assert "relative error 0.5" in message  # sqrt(8)/sqrt(2) / sqrt(8) = 0.5 off
     assert "['value']" in message
 
 
