@@ -82,27 +82,6 @@ def flax_loss(module: nn.Module):
     return loss
 
 
-class CausalLM(nn.Module):
-    """One-layer causal self-attention language model."""
-
-    vocab: int = 11
-    width: int = 16
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.width)(tokens)
-        x = x + self.param(
-            "positions", nn.initializers.normal(0.02), (tokens.shape[-1], self.width)
-        )
-        mask = nn.make_causal_mask(tokens)
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=self.width)(
-            h, mask=mask
-        )
-        x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
-        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
-
-
 def token_batch(key: jax.Array, lengths, seq_len: int = 12, vocab: int = 11):
     """Random token sequences, each padded (token 0) after its length."""
     lengths = jnp.asarray(lengths)
