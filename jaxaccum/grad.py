@@ -402,9 +402,9 @@ def value_and_grad(
       A function with ``fun``'s signature returning ``(value, grads)``, or
       ``((value, aux), grads)`` with ``has_aux``; with ``state_argnums``, that
       result and the new state: ``(result, new_state)``; with
-      ``report_finite``, all that and the report: ``(out, report)``. ``grads`` has the
-      structure of ``args[argnums]`` (a tuple of them if ``argnums`` is a
-      sequence).
+      ``report_finite``, all that and the report: ``(out, report)``. ``grads``
+      has the structure of ``args[argnums]`` (a tuple of them if ``argnums``
+      is a sequence).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
