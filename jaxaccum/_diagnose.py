@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import split, testing
+from jaxaccum import _compare, split
 from jaxaccum.grad import value_and_grad
 
 # A cause is named when its model of the error leaves a residual under this
@@ -188,12 +188,12 @@ def diagnose(
         reduction='mean' averages the N micro-batch sums. Use reduction='sum', or
         return a mean (jnp.mean rather than jnp.sum).
     """
-    accumulated, reference = testing._accumulated_and_reference(
+    accumulated, reference = _compare.accumulated_and_reference(
         fun, args, num_microbatches, value_and_grad_kwargs
     )
     errors = tuple(
         LeafError(*error)
-        for error in testing.leaf_errors(
+        for error in _compare.leaf_errors(
             {"value": accumulated[0], "grads": accumulated[1]},
             {"value": reference[0], "grads": reference[1]},
         )
@@ -329,8 +329,8 @@ def _key_sensitivity(
         other_args[num] = jax.tree.map(
             lambda key: jax.random.fold_in(key, 1), args[num]
         )
-    other = testing._value_and_grads(
-        value_and_grad(fun, 1, **testing._reference_kwargs(kwargs)),
+    other = _compare.value_and_grads(
+        value_and_grad(fun, 1, **_compare.reference_kwargs(kwargs)),
         tuple(other_args),
         kwargs,
     )
@@ -366,7 +366,7 @@ def _microbatch_weights(
         def micro_fun(*call_args, **call_kwargs):
             return fun(*call_args[:-1], **call_kwargs, example_mask=call_args[-1])
 
-    micro_kwargs = {**testing._reference_kwargs(kwargs), "pad": False}
+    micro_kwargs = {**_compare.reference_kwargs(kwargs), "pad": False}
     micro_value_and_grad = jax.jit(value_and_grad(micro_fun, 1, **micro_kwargs))
     call_args = list(args) + ([None] if roles.pad else [])
     columns = []

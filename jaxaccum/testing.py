@@ -3,11 +3,9 @@
 from typing import Any
 
 import chex
-import jax
-import numpy as np
 
+from jaxaccum._compare import accumulated_and_reference, leaf_errors
 from jaxaccum._diagnose import Cause, Diagnosis, diagnose
-from jaxaccum.grad import value_and_grad
 
 __all__ = [
     "Cause",
@@ -16,64 +14,6 @@ __all__ = [
     "diagnose",
     "leaf_errors",
 ]
-
-
-def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
-    """Per-leaf ``(path, max abs error, relative error)`` of two pytrees.
-
-    The relative error is the max absolute error divided by the leaf's largest
-    ``|expected|``: elementwise ratios would explode on entries whose expected
-    value is (nearly) zero, such as the gradient of a bias followed by
-    BatchNorm.
-    """
-    errors = []
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(actual),
-        jax.tree.leaves(expected),
-        strict=True,
-    ):
-        a = np.asarray(a, np.float64)
-        b = np.asarray(b, np.float64)
-        abs_err = float(np.abs(a - b).max(initial=0.0))
-        scale = max(float(np.abs(b).max(initial=0.0)), np.finfo(np.float32).tiny)
-        errors.append((jax.tree_util.keystr(path), abs_err, abs_err / scale))
-    return errors
-
-
-def _value_and_grads(accumulated_fun: Any, args: tuple, kwargs: dict) -> tuple:
-    """Runs ``accumulated_fun`` under jit; returns (value, grads) alone."""
-    result = jax.jit(accumulated_fun)(*args)
-    if kwargs.get("state_argnums", ()) != ():
-        result = result[0]
-    if kwargs.get("has_aux", False):
-        return result[0][0], result[1]
-    return result
-
-
-def _reference_kwargs(value_and_grad_kwargs: dict) -> dict:
-    """The kwargs for the one-micro-batch (full-batch) reference."""
-    return {
-        key: value
-        for key, value in value_and_grad_kwargs.items()
-        if key != "microbatch_size"
-    }
-
-
-def _accumulated_and_reference(
-    fun: Any, args: tuple, num_microbatches: int | None, value_and_grad_kwargs: dict
-) -> tuple[tuple, tuple]:
-    """(value, grads) with ``N`` micro-batches and with one, both under jit."""
-    accumulated = _value_and_grads(
-        value_and_grad(fun, num_microbatches, **value_and_grad_kwargs),
-        args,
-        value_and_grad_kwargs,
-    )
-    reference = _value_and_grads(
-        value_and_grad(fun, 1, **_reference_kwargs(value_and_grad_kwargs)),
-        args,
-        value_and_grad_kwargs,
-    )
-    return accumulated, reference
 
 
 def assert_grads_match_full_batch(
@@ -113,7 +53,7 @@ def assert_grads_match_full_batch(
       >>> jaxaccum.testing.assert_grads_match_full_batch(
       ...     loss, jnp.ones(3), jnp.ones((8, 3)), num_microbatches=4)
     """
-    accumulated, reference = _accumulated_and_reference(
+    accumulated, reference = accumulated_and_reference(
         fun, args, num_microbatches, value_and_grad_kwargs
     )
     try:

@@ -46,3 +46,20 @@ def test_failure_with_microbatch_size_and_aux():
         assert_grads_match_full_batch(
             summed, jnp.ones(3), jnp.ones((8, 3)), microbatch_size=2, has_aux=True
         )
+
+
+def test_accepts_report_finite_and_state():
+    def loss(w, x, state):
+        return jnp.mean(jnp.tanh(x @ w)), state + 1
+
+    assert_grads_match_full_batch(
+        loss,
+        jnp.ones(3),
+        jnp.ones((8, 3)),
+        jnp.zeros(()),
+        num_microbatches=4,
+        state_argnums=2,
+        report_finite=True,
+        rtol=1e-5,
+        atol=1e-6,
+    )
