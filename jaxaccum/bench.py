@@ -105,7 +105,11 @@ def median_seconds(run: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _window_step(grad_fn: Callable[..., Any], optimizer: optax.GradientTransformation):
+def window_step(
+    grad_fn: Callable[..., Any], optimizer: optax.GradientTransformation
+) -> Callable[..., Any]:
+    """``step(params, opt_state, batch)``: ``grad_fn`` then one optimizer update."""
+
     def step(params, opt_state, batch):
         loss, grads = grad_fn(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -152,7 +156,7 @@ def measure(
     params, opt_state = task.params, optimizer.init(task.params)
     batch_size = split.batch_size_of([("batch", batch)])
     if contender != "optax_multisteps":
-        step = _window_step(_grad_fn(contender, task.loss, num, batch_size), optimizer)
+        step = window_step(_grad_fn(contender, task.loss, num, batch_size), optimizer)
         compiled, compile_seconds = compile_timed(step, params, opt_state, batch)
         seconds = median_seconds(lambda: compiled(params, opt_state, batch), repeats)
         return Measurement(
@@ -164,7 +168,7 @@ def measure(
         jax.tree.map(lambda x, k=k: x[k], split.split_batch(batch, num))
         for k in range(num)
     ]
-    mini_step = _window_step(jax.value_and_grad(task.loss), multi)
+    mini_step = window_step(jax.value_and_grad(task.loss), multi)
     state = multi.init(params)
     compiled, compile_seconds = compile_timed(
         mini_step, params, state, micro_batches[0]
@@ -216,7 +220,7 @@ def compile_seconds_vs_n(
         seconds[contender] = {}
         for num in num_microbatches:
             progress(f"compile {task.name}: {contender} N={num}")
-            step = _window_step(
+            step = window_step(
                 _grad_fn(contender, task.loss, num, batch_size), optimizer
             )
             seconds[contender][num] = compile_timed(step, params, opt_state, batch)[1]

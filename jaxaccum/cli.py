@@ -45,18 +45,13 @@ def _demo_task(args: argparse.Namespace) -> _models.Task:
 
 
 def _train_step(loss, num_microbatches, optimizer):
+    """The jitted full-batch (``num_microbatches=None``) or accumulated step."""
     grad_fn = (
         jax.value_and_grad(loss)
         if num_microbatches is None
         else value_and_grad(loss, num_microbatches)
     )
-
-    def step(params, opt_state, batch):
-        value, grads = grad_fn(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    return jax.jit(step)
+    return jax.jit(bench.window_step(grad_fn, optimizer))
 
 
 def _plan(task: _models.Task, args: argparse.Namespace) -> memory.MemoryPlan:

@@ -12,7 +12,6 @@ from jaxaccum import split
 from jaxaccum._reduce import divide_by_total_weight
 
 Reduction = Literal["mean", "sum", "weighted"]
-AuxReduction = Literal["mean", "sum", "stack", "last"]
 
 _REDUCTIONS = ("mean", "sum", "weighted")
 _AUX_REDUCTIONS = ("mean", "sum", "stack", "last")
@@ -517,14 +516,13 @@ def _value_and_grad(
                 f"The accumulated function needs at least {max(all_nums) + 1} "
                 f"positional arguments ({used}), got {len(args)}."
             )
-        batch_size = split.batch_size_of([(f"args[{i}]", args[i]) for i in batch_nums])
+        labelled_batches = [(f"args[{i}]", args[i]) for i in batch_nums]
+        batch_size = split.batch_size_of(labelled_batches)
         num, padded_size = split.resolve_num_microbatches(
             batch_size, num_microbatches, microbatch_size, pad=pad
         )
         if num > 1:
-            split.check_sharded_split(
-                [(f"args[{i}]", args[i]) for i in batch_nums], padded_size, num
-            )
+            split.check_sharded_split(labelled_batches, padded_size, num)
         _check_differentiable(args, diff_nums)
 
         def micro_loss(diff_vals, batch_vals, key_vals, state_vals, example_mask):
