@@ -1,13 +1,13 @@
 """Shared pieces of the benchmark scripts: where results go, and the machine.
 
-The timing and memory harness itself is `jaxaccum.bench` (also behind
-`jaxaccum bench`), and the models are `jaxaccum._models`.
+The timing and memory harness itself is `jaxaccum.cli._bench` (also behind
+`jaxaccum bench`), and the models are `jaxaccum.cli._models`.
 """
 
 import json
 import pathlib
 
-from jaxaccum.bench import machine
+from jaxaccum.cli._bench import machine
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

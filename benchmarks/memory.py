@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 import jaxaccum
-from jaxaccum import _models
-from jaxaccum.bench import footprint
+from jaxaccum.cli import _models
+from jaxaccum.cli._bench import footprint
 
 # name -> layer sizes (input, hidden..., classes)
 MODELS = {

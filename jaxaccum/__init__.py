@@ -1,18 +1,39 @@
-"""jaxaccum: exact, compiled, memory-true gradient accumulation for JAX."""
+"""jaxaccum: exact, compiled, memory-true gradient accumulation for JAX.
 
-from jaxaccum import testing
-from jaxaccum._reduce import masked_sum
-from jaxaccum.distributed import count_collectives, shard_batch, shard_value_and_grad
-from jaxaccum.grad import FiniteReport, grad, value_and_grad
-from jaxaccum.memory import MemoryPlan, parse_memory_budget, plan
-from jaxaccum.optimizer import MultiSteps, MultiStepsState, accumulate
-from jaxaccum.split import split_batch
+The public surface; the implementation lives in private modules named for
+their concept. ``jaxaccum.testing`` (chex assertions) loads on first use,
+``jaxaccum.flax`` and ``jaxaccum.equinox`` when imported.
+"""
 
-__version__ = "0.1.0"
+import importlib
+import importlib.metadata
+from typing import TYPE_CHECKING, Any
+
+from jaxaccum._hlo import count_collectives as count_collectives
+from jaxaccum._multisteps import MultiSteps as MultiSteps
+from jaxaccum._multisteps import MultiStepsState as MultiStepsState
+from jaxaccum._multisteps import accumulate as accumulate
+from jaxaccum._plan import MemoryPlan as MemoryPlan
+from jaxaccum._plan import MemoryPlanRow as MemoryPlanRow
+from jaxaccum._plan import parse_memory_budget as parse_memory_budget
+from jaxaccum._plan import plan as plan
+from jaxaccum._reduce import masked_sum as masked_sum
+from jaxaccum._shard import shard_batch as shard_batch
+from jaxaccum._shard import shard_value_and_grad as shard_value_and_grad
+from jaxaccum._split import split_batch as split_batch
+from jaxaccum._value_and_grad import grad as grad
+from jaxaccum._value_and_grad import value_and_grad as value_and_grad
+from jaxaccum._window import FiniteReport as FiniteReport
+
+if TYPE_CHECKING:
+    from jaxaccum import testing as testing
+
+__version__ = importlib.metadata.version("jaxaccum")
 
 __all__ = [
     "FiniteReport",
     "MemoryPlan",
+    "MemoryPlanRow",
     "MultiSteps",
     "MultiStepsState",
     "accumulate",
@@ -27,3 +48,10 @@ __all__ = [
     "testing",
     "value_and_grad",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # `jaxaccum.testing` without importing it first, as before; chex loads then.
+    if name == "testing":
+        return importlib.import_module("jaxaccum.testing")
+    raise AttributeError(f"module 'jaxaccum' has no attribute {name!r}")

@@ -5,7 +5,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxaccum.grad import value_and_grad
+from jaxaccum._options import AccumOptions
+from jaxaccum._value_and_grad import make_accumulated
 
 
 def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
@@ -30,39 +31,23 @@ def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
     return errors
 
 
-def value_and_grads(accumulated_fun: Any, args: tuple, kwargs: dict) -> tuple:
-    """Runs ``accumulated_fun`` under jit; returns (value, grads) alone."""
-    result = jax.jit(accumulated_fun)(*args)
-    if kwargs.get("report_finite", False):
+def value_and_grads(fun: Any, args: tuple, options: AccumOptions) -> tuple:
+    """Runs ``fun`` accumulated with ``options`` under jit; returns (value,
+    grads) alone."""
+    result = jax.jit(make_accumulated(fun, options))(*args)
+    if options.report_finite:
         result = result[0]
-    if kwargs.get("state_argnums", ()) != ():
+    if options.state_nums:
         result = result[0]
-    if kwargs.get("has_aux", False):
+    if options.has_aux:
         return result[0][0], result[1]
     return result
 
 
-def reference_kwargs(value_and_grad_kwargs: dict) -> dict:
-    """The kwargs for the one-micro-batch (full-batch) reference."""
-    return {
-        key: value
-        for key, value in value_and_grad_kwargs.items()
-        if key != "microbatch_size"
-    }
-
-
 def accumulated_and_reference(
-    fun: Any, args: tuple, num_microbatches: int | None, value_and_grad_kwargs: dict
+    fun: Any, args: tuple, options: AccumOptions
 ) -> tuple[tuple, tuple]:
-    """(value, grads) with ``N`` micro-batches and with one, both under jit."""
-    accumulated = value_and_grads(
-        value_and_grad(fun, num_microbatches, **value_and_grad_kwargs),
-        args,
-        value_and_grad_kwargs,
-    )
-    reference = value_and_grads(
-        value_and_grad(fun, 1, **reference_kwargs(value_and_grad_kwargs)),
-        args,
-        value_and_grad_kwargs,
-    )
+    """(value, grads) with ``options``' micro-batches and with one, under jit."""
+    accumulated = value_and_grads(fun, args, options)
+    reference = value_and_grads(fun, args, options.full_batch)
     return accumulated, reference

@@ -3,16 +3,18 @@
 import dataclasses
 import operator
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
-from jaxaccum import _compare, split
-from jaxaccum.grad import value_and_grad
+from jaxaccum import _compare, _split
+from jaxaccum._options import AccumOptions
+from jaxaccum._value_and_grad import make_accumulated
 
 # A cause is named when its model of the error leaves a residual under this
 # fraction of the error: float32 rounding leaves ~1e-6, a wrong model ~1.
@@ -188,9 +190,8 @@ def diagnose(
         reduction='mean' averages the N micro-batch sums. Use reduction='sum', or
         return a mean (jnp.mean rather than jnp.sum).
     """
-    accumulated, reference = _compare.accumulated_and_reference(
-        fun, args, num_microbatches, value_and_grad_kwargs
-    )
+    options = AccumOptions(num_microbatches, **value_and_grad_kwargs)
+    accumulated, reference = _compare.accumulated_and_reference(fun, args, options)
     errors = tuple(
         LeafError(*error)
         for error in _compare.leaf_errors(
@@ -198,7 +199,7 @@ def diagnose(
             {"value": reference[0], "grads": reference[1]},
         )
     )
-    num = _num_microbatches(args, num_microbatches, value_and_grad_kwargs)
+    num = _num_microbatches(args, options)
     accumulated_grads = _flat(accumulated[1])
     reference_grads = _flat(reference[1])
     error = float(np.linalg.norm(accumulated_grads - reference_grads))
@@ -207,32 +208,29 @@ def diagnose(
     if _close(accumulated, reference, rtol, atol):
         return report(matches=True, causes=())
 
-    roles = _Roles(value_and_grad_kwargs)
-    if roles.keys:
-        change = _key_sensitivity(fun, args, reference, roles, value_and_grad_kwargs)
+    if options.key_nums:
+        change = _key_sensitivity(fun, args, reference, options)
         if change > rtol:
             return report(matches=False, causes=(_random_cause(change),))
 
     scale = _least_squares_scale(accumulated_grads, reference_grads)
     residual = np.linalg.norm(accumulated_grads - scale * reference_grads)
     if residual <= _EXPLAINED * error:
-        cause = _scale_cause(scale, num, roles.reduction)
+        cause = _scale_cause(scale, num, options.reduction)
         return report(matches=False, causes=(cause,), gradient_scale=scale)
 
-    weights = _microbatch_weights(
-        fun, args, num, reference_grads, error, roles, value_and_grad_kwargs
-    )
+    weights = _microbatch_weights(fun, args, num, reference_grads, error, options)
     if weights is not None and np.ptp(weights) > _UNEQUAL:
         return report(
             matches=False,
-            causes=(_weights_cause(weights, roles.reduction),),
+            causes=(_weights_cause(weights, options.reduction),),
             gradient_scale=scale,
             microbatch_weights=tuple(float(w) for w in weights),
         )
 
-    interaction = _interaction(fun, args, roles)
+    interaction = _interaction(fun, args, options)
     if interaction is not None and interaction > _INTERACTION:
-        cause = _batch_dependent_cause(interaction, num, args, roles)
+        cause = _batch_dependent_cause(interaction, num, args, options)
     else:
         cause = _unexplained_cause(interaction, relative_error)
     return report(
@@ -266,33 +264,13 @@ def _reporter(
     return report
 
 
-def _nums(argnums: int | Sequence[int]) -> tuple[int, ...]:
-    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
-
-
-class _Roles:
-    """The argument roles and options of a ``value_and_grad`` call."""
-
-    def __init__(self, kwargs: dict):
-        self.batch = _nums(kwargs.get("batch_argnums", 1))
-        self.keys = _nums(kwargs.get("key_argnums", ()))
-        self.state = _nums(kwargs.get("state_argnums", ()))
-        self.state_is_int = isinstance(kwargs.get("state_argnums", ()), int)
-        self.has_aux = kwargs.get("has_aux", False)
-        self.reduction = kwargs.get("reduction", "mean")
-        self.pad = kwargs.get("pad", False)
-
-
-def _num_microbatches(args: tuple, num_microbatches: int | None, kwargs: dict) -> int:
-    batch_nums = _nums(kwargs.get("batch_argnums", 1))
-    batch_size = split.batch_size_of([(f"args[{i}]", args[i]) for i in batch_nums])
-    num, _ = split.resolve_num_microbatches(
-        batch_size,
-        num_microbatches,
-        kwargs.get("microbatch_size"),
-        pad=kwargs.get("pad", False),
+def _num_microbatches(args: tuple, options: AccumOptions) -> int:
+    batch_size = _split.batch_size_of(
+        [(f"args[{i}]", args[i]) for i in options.batch_nums]
     )
-    return num
+    return _split.resolve_num_microbatches(
+        batch_size, options.num_microbatches, options.microbatch_size, pad=options.pad
+    ).num_microbatches
 
 
 def _close(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
@@ -304,8 +282,7 @@ def _close(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
 
 
 def _flat(tree: Any) -> np.ndarray:
-    leaves = [np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree.leaves(tree)]
-    return np.concatenate(leaves) if leaves else np.zeros(0)
+    return np.asarray(ravel_pytree(tree)[0], np.float64)
 
 
 def _least_squares_scale(actual: np.ndarray, reference: np.ndarray) -> float:
@@ -321,19 +298,15 @@ def _relative_change(new: Any, old: Any) -> float:
 
 
 def _key_sensitivity(
-    fun: Callable[..., Any], args: tuple, reference: tuple, roles: _Roles, kwargs: dict
+    fun: Callable[..., Any], args: tuple, reference: tuple, options: AccumOptions
 ) -> float:
     """Relative change of the full-batch gradient when every key is changed."""
     other_args = list(args)
-    for num in roles.keys:
+    for num in options.key_nums:
         other_args[num] = jax.tree.map(
             lambda key: jax.random.fold_in(key, 1), args[num]
         )
-    other = _compare.value_and_grads(
-        value_and_grad(fun, 1, **_compare.reference_kwargs(kwargs)),
-        tuple(other_args),
-        kwargs,
-    )
+    other = _compare.value_and_grads(fun, tuple(other_args), options.full_batch)
     return _relative_change(other[1], reference[1])
 
 
@@ -343,47 +316,48 @@ def _microbatch_weights(
     num: int,
     reference_grads: np.ndarray,
     error: float,
-    roles: _Roles,
-    kwargs: dict,
+    options: AccumOptions,
 ) -> np.ndarray | None:
     """Weights ``a`` with ``full-batch grad = sum_k a_k g_k``, relative to their
     mean, if the micro-batch gradients ``g_k`` determine them and they explain
     the error; else None."""
-    batch_vals = tuple(args[i] for i in roles.batch)
-    batch_size = split.batch_size_of([("batch", batch_vals)])
-    _, padded_size = split.resolve_num_microbatches(
-        batch_size, num, None, pad=roles.pad
-    )
-    view = split.strided_view(split.pad_batch(batch_vals, padded_size), num)
-    mask_view = split.strided_view(jnp.arange(padded_size) < batch_size, num)
+    batch_vals = tuple(args[i] for i in options.batch_nums)
+    batch_size = _split.batch_size_of([("batch", batch_vals)])
+    padded_size = _split.resolve_num_microbatches(
+        batch_size, num, None, pad=options.pad
+    ).padded_size
+    view = _split.strided_view(_split.pad_batch(batch_vals, padded_size), num)
+    mask_view = _split.strided_view(jnp.arange(padded_size) < batch_size, num)
     keys = [
         jax.tree.map(lambda key: jax.random.split(key, num), args[i])
-        for i in roles.keys
+        for i in options.key_nums
     ]
     micro_fun = fun
-    if roles.pad:
+    if options.pad:
         # The micro-batch's mask rides as an extra last positional argument.
         def micro_fun(*call_args, **call_kwargs):
             return fun(*call_args[:-1], **call_kwargs, example_mask=call_args[-1])
 
-    micro_kwargs = {**_compare.reference_kwargs(kwargs), "pad": False}
-    micro_value_and_grad = jax.jit(value_and_grad(micro_fun, 1, **micro_kwargs))
-    call_args = list(args) + ([None] if roles.pad else [])
+    micro_value_and_grad = jax.jit(
+        make_accumulated(micro_fun, dataclasses.replace(options.full_batch, pad=False))
+    )
+    call_args = list(args) + ([None] if options.pad else [])
     columns = []
     for index in range(num):
-        micro_batch = split.take_microbatch(view, index)
-        for num_arg, value in zip(roles.batch, micro_batch, strict=True):
+        micro_batch = _split.take_microbatch(view, index)
+        for num_arg, value in zip(options.batch_nums, micro_batch, strict=True):
             call_args[num_arg] = value
         if num > 1:
-            for num_arg, key in zip(roles.keys, keys, strict=True):
+            for num_arg, key in zip(options.key_nums, keys, strict=True):
                 call_args[num_arg] = jax.tree.map(operator.itemgetter(index), key)
-        if roles.pad:
+        if options.pad:
             call_args[-1] = mask_view[:, index]
         result = micro_value_and_grad(*call_args)
-        if roles.state:
+        if options.state_nums:
             result, new_state = result
-            new_state = (new_state,) if roles.state_is_int else new_state
-            for num_arg, value in zip(roles.state, new_state, strict=True):
+            if isinstance(options.state_argnums, int):
+                new_state = (new_state,)
+            for num_arg, value in zip(options.state_nums, new_state, strict=True):
                 call_args[num_arg] = value
         columns.append(_flat(result[1]))
     matrix = np.stack(columns, axis=1)
@@ -394,9 +368,11 @@ def _microbatch_weights(
     return weights / np.mean(weights)
 
 
-def _interaction(fun: Callable[..., Any], args: tuple, roles: _Roles) -> float | None:
+def _interaction(
+    fun: Callable[..., Any], args: tuple, options: AccumOptions
+) -> float | None:
     """How much moving the last example changes the other examples' gradients."""
-    leaves, treedef = jax.tree.flatten(tuple(args[i] for i in roles.batch))
+    leaves, treedef = jax.tree.flatten(tuple(args[i] for i in options.batch_nums))
     floats = [
         index
         for index, leaf in enumerate(leaves)
@@ -412,16 +388,16 @@ def _interaction(fun: Callable[..., Any], args: tuple, roles: _Roles) -> float |
             batch_leaves[index] = leaf
         call_args = list(args)
         for num_arg, value in zip(
-            roles.batch, jax.tree.unflatten(treedef, batch_leaves), strict=True
+            options.batch_nums, jax.tree.unflatten(treedef, batch_leaves), strict=True
         ):
             call_args[num_arg] = value
-        extra = {"example_mask": jnp.ones(batch_size, bool)} if roles.pad else {}
+        extra = {"example_mask": jnp.ones(batch_size, bool)} if options.pad else {}
         out = fun(*call_args, **extra)
-        if roles.state:
+        if options.state_nums:
             out = out[0]
-        if roles.has_aux:
+        if options.has_aux:
             out = out[0]
-        if roles.reduction == "weighted":
+        if options.reduction == "weighted":
             out = out[0]
         return out
 
@@ -508,11 +484,11 @@ def _weights_cause(weights: np.ndarray, reduction: str) -> Cause:
 
 
 def _batch_dependent_cause(
-    interaction: float, num: int, args: tuple, roles: _Roles
+    interaction: float, num: int, args: tuple, options: AccumOptions
 ) -> Cause:
     stats = [
         f"args[{num_arg}]{jax.tree_util.keystr(path)}"
-        for num_arg in roles.state
+        for num_arg in options.state_nums
         for path, _ in jax.tree_util.tree_leaves_with_path(args[num_arg])
         if "batch_stats" in jax.tree_util.keystr(path)
         or "BatchNorm" in jax.tree_util.keystr(path)

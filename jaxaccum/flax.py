@@ -24,14 +24,23 @@ under accumulation: ``GroupNorm`` for convolutional networks, ``LayerNorm`` (or
 """
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import flax.core
-from flax import nnx
-from flax.training import train_state
+try:
+    import flax.core
+    from flax import nnx
+    from flax.training import train_state
+except ImportError as error:  # pragma: no cover - exercised in a core-only venv
+    raise ImportError(
+        "jaxaccum.flax needs Flax, which the core install leaves out: pip install "
+        '"jaxaccum[flax]"'
+    ) from error
 
-from jaxaccum._diagnose import Diagnosis, diagnose
-from jaxaccum.grad import value_and_grad
+from jaxaccum._options import AccumOptions, check_accepts_example_mask
+from jaxaccum._value_and_grad import make_accumulated
+
+if TYPE_CHECKING:
+    from jaxaccum._diagnose import Diagnosis
 
 _ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
 
@@ -123,8 +132,7 @@ def linen_value_and_grad(
     """
     _check_kwargs("linen_value_and_grad", value_and_grad_kwargs)
     collections = _collection_names(mutable)
-    accumulate = value_and_grad(
-        _linen_loss(fun, collections, has_aux),
+    options = AccumOptions(
         num_microbatches,
         argnums=0,
         batch_argnums=2,
@@ -133,6 +141,9 @@ def linen_value_and_grad(
         has_aux=has_aux,
         **value_and_grad_kwargs,
     )
+    if options.pad:
+        check_accepts_example_mask(fun)
+    accumulate = make_accumulated(_linen_loss(fun, collections, has_aux), options)
 
     def accumulated(
         variables: Any, batch: Any, *args: Any, rngs: Any = None, **kwargs: Any
@@ -213,7 +224,7 @@ def linen_diagnose(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     **value_and_grad_kwargs: Any,
-) -> Diagnosis:
+) -> "Diagnosis":
     """:func:`jaxaccum.testing.diagnose` for a loss of :func:`linen_value_and_grad`.
 
     Compares :func:`linen_value_and_grad` with ``N`` micro-batches and with one
@@ -249,6 +260,8 @@ def linen_diagnose(
       >>> [cause.kind for cause in diagnosis.causes]
       ['batch_dependent']
     """
+    from jaxaccum._diagnose import diagnose  # loads chex, as jaxaccum.testing does
+
     _check_kwargs("linen_diagnose", value_and_grad_kwargs)
     collections = _collection_names(mutable)
     params, state, others = _linen_split(variables, collections)
@@ -422,19 +435,23 @@ def nnx_value_and_grad(
       (4,)
     """
     _check_kwargs("nnx_value_and_grad", value_and_grad_kwargs)
+    options = AccumOptions(
+        num_microbatches,
+        argnums=0,
+        batch_argnums=2,
+        state_argnums=1,
+        has_aux=has_aux,
+        **value_and_grad_kwargs,
+    )
+    if options.pad:
+        check_accepts_example_mask(fun)
 
     def accumulated(model: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         _check_no_graph_nodes(args)
         micro_loss, params, state = _nnx_loss(fun, model, wrt)
-        result, new_state = value_and_grad(
-            micro_loss,
-            num_microbatches,
-            argnums=0,
-            batch_argnums=2,
-            state_argnums=1,
-            has_aux=has_aux,
-            **value_and_grad_kwargs,
-        )(params, state, batch, *args, **kwargs)
+        result, new_state = make_accumulated(micro_loss, options)(
+            params, state, batch, *args, **kwargs
+        )
         nnx.update(model, new_state)
         return result
 
@@ -451,7 +468,7 @@ def nnx_diagnose(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     **value_and_grad_kwargs: Any,
-) -> Diagnosis:
+) -> "Diagnosis":
     """:func:`jaxaccum.testing.diagnose` for a loss of :func:`nnx_value_and_grad`.
 
     Compares :func:`nnx_value_and_grad` with ``N`` micro-batches and with one
@@ -484,6 +501,8 @@ def nnx_diagnose(
       >>> jaxaccum.flax.nnx_diagnose(loss_fn, model, x, num_microbatches=4).matches
       True
     """
+    from jaxaccum._diagnose import diagnose  # loads chex, as jaxaccum.testing does
+
     _check_kwargs("nnx_diagnose", value_and_grad_kwargs)
     _check_no_graph_nodes(args)
     loss, params, state = _nnx_loss(fun, model, wrt)

@@ -1,16 +1,27 @@
-"""Assertions that accumulated gradients equal the single large-batch gradient."""
+"""Proof in your own tests: accumulated gradients equal the large-batch one.
+
+``assert_grads_match_full_batch`` (built on chex), ``diagnose`` (why they
+differ when they do) and ``count_collectives`` (what a compiled step
+communicates). Imported on first use of ``jaxaccum.testing``, so ``import
+jaxaccum`` in a training step does not load chex.
+"""
 
 from typing import Any
 
 import chex
 
 from jaxaccum._compare import accumulated_and_reference, leaf_errors
-from jaxaccum._diagnose import Cause, Diagnosis, diagnose
+from jaxaccum._diagnose import Cause, Diagnosis, LeafError, diagnose
+from jaxaccum._hlo import COLLECTIVES, count_collectives
+from jaxaccum._options import AccumOptions
 
 __all__ = [
+    "COLLECTIVES",
     "Cause",
     "Diagnosis",
+    "LeafError",
     "assert_grads_match_full_batch",
+    "count_collectives",
     "diagnose",
     "leaf_errors",
 ]
@@ -53,16 +64,15 @@ def assert_grads_match_full_batch(
       >>> jaxaccum.testing.assert_grads_match_full_batch(
       ...     loss, jnp.ones(3), jnp.ones((8, 3)), num_microbatches=4)
     """
-    accumulated, reference = accumulated_and_reference(
-        fun, args, num_microbatches, value_and_grad_kwargs
-    )
+    options = AccumOptions(num_microbatches, **value_and_grad_kwargs)
+    accumulated, reference = accumulated_and_reference(fun, args, options)
     try:
         chex.assert_trees_all_close(accumulated, reference, rtol=rtol, atol=atol)
     except AssertionError as error:
         split = (
             f"num_microbatches={num_microbatches}"
             if num_microbatches is not None
-            else f"microbatch_size={value_and_grad_kwargs['microbatch_size']}"
+            else f"microbatch_size={options.microbatch_size}"
         )
         errors = leaf_errors(
             {"value": accumulated[0], "grads": accumulated[1]},

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-import jaxaccum.optimizer
+import jaxaccum._multisteps
 
 RTOL, ATOL = 1e-5, 1e-6
 CALLS_PER_WINDOW = 3
@@ -512,6 +512,6 @@ def test_bad_skip_function_is_rejected():
 
 
 def test_docstring_examples_run():
-    failures, tried = doctest.testmod(jaxaccum.optimizer)
+    failures, tried = doctest.testmod(jaxaccum._multisteps)
     assert tried > 0
     assert failures == 0

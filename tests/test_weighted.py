@@ -11,7 +11,7 @@ import pytest
 from models import next_token_losses, token_batch
 
 import jaxaccum
-from jaxaccum._models import Transformer
+from jaxaccum.cli._models import Transformer
 from jaxaccum.testing import assert_grads_match_full_batch, leaf_errors
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -17,7 +17,6 @@ import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -51,7 +50,7 @@ class MultiStepsState(NamedTuple):
     gradient_step: jax.typing.ArrayLike
     inner_opt_state: Any
     acc_grads: Any
-    skip_state: chex.ArrayTree = ()
+    skip_state: Any = ()
     acc_weight: jax.typing.ArrayLike = 0.0
 
 
@@ -59,7 +58,7 @@ def _never_skip(
     updates: optax.Updates,
     gradient_step: jax.typing.ArrayLike,
     params: optax.Params | None,
-) -> tuple[jax.Array, chex.ArrayTree]:
+) -> tuple[jax.Array, Any]:
     del updates, gradient_step, params
     return jnp.array(False), ()
 
@@ -247,19 +246,7 @@ class MultiSteps:
         if weight is not None:
             weight = _check_weight(weight)
         every_k = self._every_k(state.gradient_step)
-        should_skip, skip_state = self._should_skip_update_fn(
-            updates, state.gradient_step, params
-        )
-        should_skip = jnp.asarray(should_skip)
-        if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-            raise ValueError(
-                "should_skip_update_fn must return a boolean scalar first, got "
-                f"dtype {should_skip.dtype} and shape {should_skip.shape}."
-            )
-        if weight is not None and self._should_skip_update_fn is not _never_skip:
-            # The skip function sees only the gradient; a NaN or inf weight
-            # would poison the window just the same.
-            should_skip = should_skip | ~jnp.isfinite(weight)
+        should_skip, skip_state = self._should_skip(updates, state, params, weight)
         emit = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
         # The reset is lazy: the first accepted call of a window overwrites the
         # previous window's sum instead of an extra pass writing zeros.
@@ -278,26 +265,10 @@ class MultiSteps:
             jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
         )
 
-        def inner_update(grads, inner_opt_state):
-            return self._opt.update(grads, inner_opt_state, params, **extra_args)
-
         def emit_window(acc_grads, inner_opt_state):
-            grads = acc_grads
-            if self._use_grad_mean:
-                grads = divide_by_total_weight(acc_grads, acc_weight)
-            new_updates, new_inner_state = inner_update(
-                optax.tree.cast_like(grads, updates), inner_opt_state
+            return self._emit(
+                acc_grads, acc_weight, inner_opt_state, updates, params, extra_args
             )
-            # Both branches must return the same dtypes; keep the state's (as
-            # optax does), which also keeps it stable as a lax.scan carry.
-            new_inner_state = jax.tree.map(
-                lambda new, old: (
-                    new if new.dtype == old.dtype else new.astype(old.dtype)
-                ),
-                new_inner_state,
-                inner_opt_state,
-            )
-            return new_updates, new_inner_state
 
         def mid_window(acc_grads, inner_opt_state):
             # Zeros with the dtypes the inner update would give.
@@ -323,7 +294,55 @@ class MultiSteps:
         )
         return new_updates, new_state
 
-    def has_updated(self, state: MultiStepsState | chex.ArrayTree) -> jax.Array:
+    def _should_skip(
+        self,
+        updates: optax.Updates,
+        state: MultiStepsState,
+        params: optax.Params | None,
+        weight: jax.Array | None,
+    ) -> tuple[jax.Array, Any]:
+        """Whether to drop this call, and the skip function's state."""
+        should_skip, skip_state = self._should_skip_update_fn(
+            updates, state.gradient_step, params
+        )
+        should_skip = jnp.asarray(should_skip)
+        if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+            raise ValueError(
+                "should_skip_update_fn must return a boolean scalar first, got "
+                f"dtype {should_skip.dtype} and shape {should_skip.shape}."
+            )
+        if weight is not None and self._should_skip_update_fn is not _never_skip:
+            # The skip function sees only the gradient; a NaN or inf weight
+            # would poison the window just the same.
+            should_skip = should_skip | ~jnp.isfinite(weight)
+        return should_skip, skip_state
+
+    def _emit(
+        self,
+        acc_grads: Any,
+        acc_weight: jax.Array,
+        inner_opt_state: Any,
+        updates: optax.Updates,
+        params: optax.Params | None,
+        extra_args: dict[str, Any],
+    ) -> tuple[optax.Updates, Any]:
+        """The emitting call: the wrapped optimizer on the window's gradient."""
+        grads = acc_grads
+        if self._use_grad_mean:
+            grads = divide_by_total_weight(acc_grads, acc_weight)
+        new_updates, new_inner_state = self._opt.update(
+            optax.tree.cast_like(grads, updates), inner_opt_state, params, **extra_args
+        )
+        # Both branches must return the same dtypes; keep the state's (as
+        # optax does), which also keeps it stable as a lax.scan carry.
+        new_inner_state = jax.tree.map(
+            lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
+            new_inner_state,
+            inner_opt_state,
+        )
+        return new_updates, new_inner_state
+
+    def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
         """Returns whether the call that produced ``state`` emitted an update.
 
         Args:

@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import time
+import timeit
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import split
-from jaxaccum._models import Task
-from jaxaccum.grad import value_and_grad
+import jaxaccum
+from jaxaccum._plan import total_bytes
+from jaxaccum.cli._models import Task
 
 CONTENDERS = (
     "full_batch",
@@ -85,24 +86,17 @@ def compile_timed(fun: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 def footprint(compiled: Any) -> tuple[int, int]:
     """``(temp bytes, total bytes)`` of a compiled program."""
     analysis = compiled.memory_analysis()
-    total = (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        + analysis.temp_size_in_bytes
-        - analysis.alias_size_in_bytes
-    )
-    return analysis.temp_size_in_bytes, total
+    return analysis.temp_size_in_bytes, total_bytes(analysis)
 
 
 def median_seconds(run: Callable[[], Any], repeats: int) -> float:
     """Median wall time of ``run()`` (blocked until ready) after one warm-up."""
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def blocked() -> None:
         jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    blocked()
+    return statistics.median(timeit.repeat(blocked, number=1, repeat=repeats))
 
 
 def window_step(
@@ -135,7 +129,7 @@ def _grad_fn(contender: str, loss: Callable[..., Any], num: int, batch_size: int
     if contender == "full_batch":
         return jax.value_and_grad(loss)
     if contender == "jaxaccum":
-        return value_and_grad(loss, num)
+        return jaxaccum.value_and_grad(loss, num)
     if contender == "optax_microbatching":
         return optax.microbatching.microbatch(
             jax.value_and_grad(loss),
@@ -154,7 +148,7 @@ def measure(
     """Measures one contender on one batch at ``N = num``."""
     optimizer = optax.adam(1e-3)
     params, opt_state = task.params, optimizer.init(task.params)
-    batch_size = split.batch_size_of([("batch", batch)])
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
     if contender != "optax_multisteps":
         step = window_step(_grad_fn(contender, task.loss, num, batch_size), optimizer)
         compiled, compile_seconds = compile_timed(step, params, opt_state, batch)
@@ -165,7 +159,7 @@ def measure(
 
     multi = optax.MultiSteps(optimizer, every_k_schedule=num)
     micro_batches = [
-        jax.tree.map(lambda x, k=k: x[k], split.split_batch(batch, num))
+        jax.tree.map(lambda x, k=k: x[k], jaxaccum.split_batch(batch, num))
         for k in range(num)
     ]
     mini_step = window_step(jax.value_and_grad(task.loss), multi)

@@ -16,7 +16,7 @@ error (see :func:`check_sharded_split`).
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +24,34 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from jaxaccum._options import check_count
+
 
 def _label(prefix: str, path: tuple) -> str:
     return prefix + jax.tree_util.keystr(path)
 
 
-def _divisors(size: int) -> list[int]:
+def divisors(size: int) -> list[int]:
+    """The positive divisors of ``size``, increasing: the ``N`` that split it."""
     return [d for d in range(1, size + 1) if size % d == 0]
+
+
+class Split(NamedTuple):
+    """How one batch splits into micro-batches.
+
+    Attributes:
+      num_microbatches: ``N``.
+      batch_size: ``B``, the real rows.
+      padded_size: ``B`` padded up to a multiple of ``N`` (``B`` without pad).
+    """
+
+    num_microbatches: int
+    batch_size: int
+    padded_size: int
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.padded_size // self.num_microbatches
 
 
 def batch_size_of(batches: Sequence[tuple[str, Any]]) -> int:
@@ -75,8 +96,8 @@ def resolve_num_microbatches(
     microbatch_size: int | None,
     *,
     pad: bool = False,
-) -> tuple[int, int]:
-    """Returns ``(N, padded batch size)``, checking that N divides the batch.
+) -> Split:
+    """Returns the :class:`Split` of a batch, checking that N divides it.
 
     With ``pad`` a batch that N does not divide is padded up to the next
     multiple (``N * ceil(B / N)``, or ``microbatch_size * ceil(B / size)``).
@@ -87,20 +108,21 @@ def resolve_num_microbatches(
             raise ValueError(
                 f"Batch size {batch_size} is not divisible by "
                 f"microbatch_size={microbatch_size}. Micro-batch sizes that "
-                f"divide it: {_divisors(batch_size)}; or pass pad=True (with "
+                f"divide it: {divisors(batch_size)}; or pass pad=True (with "
                 "reduction='weighted' or 'sum') to pad the last micro-batches."
             )
-        return num, num * microbatch_size
+        return Split(num, batch_size, num * microbatch_size)
     assert num_microbatches is not None
     if batch_size % num_microbatches and not pad:
         raise ValueError(
             f"Batch size {batch_size} is not divisible by "
             f"num_microbatches={num_microbatches}, so the micro-batches would "
             f"have unequal sizes. Choose num_microbatches from "
-            f"{_divisors(batch_size)}, change the batch size, or pass pad=True "
+            f"{divisors(batch_size)}, change the batch size, or pass pad=True "
             "(with reduction='weighted' or 'sum') to pad with masked rows."
         )
-    return num_microbatches, num_microbatches * -(-batch_size // num_microbatches)
+    padded_size = num_microbatches * -(-batch_size // num_microbatches)
+    return Split(num_microbatches, batch_size, padded_size)
 
 
 def pad_batch(batch: Any, padded_size: int) -> Any:
@@ -113,18 +135,6 @@ def pad_batch(batch: Any, padded_size: int) -> Any:
         return jnp.pad(x, [(0, missing)] + [(0, 0)] * (x.ndim - 1))
 
     return jax.tree.map(pad, batch)
-
-
-def check_count(name: str, value: Any) -> None:
-    """Checks that a micro-batch count or size is a positive Python int."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(
-            f"{name} must be a positive Python int, got {value!r} of type "
-            f"{type(value).__name__}. It fixes the compiled loop's length, so "
-            "it cannot be a traced or float value."
-        )
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
 def explicit_sharding(aval: Any) -> NamedSharding | None:
@@ -181,7 +191,7 @@ def check_sharded_split(
                     f"devices. Use a batch size that is a multiple of {devices} "
                     f"* num_microbatches = {devices * num_microbatches}"
                     + (
-                        f", or num_microbatches from {_divisors(local)}."
+                        f", or num_microbatches from {divisors(local)}."
                         if local and batch_size % devices == 0
                         else "."
                     )

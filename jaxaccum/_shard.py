@@ -12,9 +12,9 @@ Works across hosts with JAX's multi-controller runtime: each process feeds its
 own rows with :func:`shard_batch` (``jax.make_array_from_process_local_data``).
 """
 
+import dataclasses
 import functools
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,25 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxaccum import split
-from jaxaccum.grad import Reduction, _as_tuple, _value_and_grad
+from jaxaccum import _split
+from jaxaccum._options import AccumOptions, ArgNums, Reduction
+from jaxaccum._value_and_grad import check_arg_count, make_accumulated
 
 DataAxis = str | Sequence[str]
-
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-)
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_CALLED = re.compile(
-    r"(body|condition|calls|to_apply|true_computation|false_computation)"
-    r"=%([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def _data_axes(data_axis: DataAxis) -> tuple[str, ...]:
@@ -125,9 +111,9 @@ def shard_value_and_grad(
     mesh: Mesh | AbstractMesh | None = None,
     data_axis: DataAxis = "data",
     microbatch_size: int | None = None,
-    argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] = 1,
-    key_argnums: int | Sequence[int] = (),
+    argnums: ArgNums = 0,
+    batch_argnums: ArgNums = 1,
+    key_argnums: ArgNums = (),
     has_aux: bool = False,
     reduction: Reduction = "mean",
     aux_reduction: Any = "mean",
@@ -212,50 +198,23 @@ def shard_value_and_grad(
       >>> step(jnp.ones(3), batch)
       (Array(9., dtype=float32), Array([6., 6., 6.], dtype=float32))
     """
-    data_axes = _data_axes(data_axis)
-    options = {
-        "argnums": argnums,
-        "batch_argnums": batch_argnums,
-        "key_argnums": key_argnums,
-        "state_argnums": (),
-        "has_aux": has_aux,
-        "reduction": reduction,
-        "aux_reduction": aux_reduction,
-        "accum_dtype": accum_dtype,
-        "pad": pad,
-        "unroll": unroll,
-        "remat": remat,
-        "data_axes": data_axes,
-    }
     # Built once here so that bad options fail at construction, as they do for
     # value_and_grad; the per-device micro-batch size is known only per call.
-    _value_and_grad(fun, num_microbatches, microbatch_size=microbatch_size, **options)
-    mapped_nums = sorted(
-        _as_tuple("argnums", argnums)
-        + _as_tuple("batch_argnums", batch_argnums)
-        + _as_tuple("key_argnums", key_argnums)
+    options = AccumOptions.from_arguments(
+        {**locals(), "data_axes": _data_axes(data_axis)}
     )
-    batch_nums = _as_tuple("batch_argnums", batch_argnums)
+    mapped_nums = tuple(
+        sorted(options.diff_nums + options.batch_nums + options.key_nums)
+    )
 
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> Any:
-        if len(args) <= mapped_nums[-1]:
-            raise TypeError(
-                f"The accumulated function needs at least {mapped_nums[-1] + 1} "
-                f"positional arguments (argnums={argnums}, batch_argnums="
-                f"{batch_argnums}, key_argnums={key_argnums}), got {len(args)}."
-            )
-        device_mesh = _resolve_mesh(mesh, data_axes, jax.sharding.get_abstract_mesh)
-        num_devices = math.prod(device_mesh.shape[axis] for axis in data_axes)
-        batch_size = split.batch_size_of([(f"args[{i}]", args[i]) for i in batch_nums])
-        local_microbatch_size = _local_split(
-            batch_size, num_devices, data_axes, num_microbatches, microbatch_size, pad
+        check_arg_count(args, options)
+        device_mesh = _resolve_mesh(
+            mesh, options.data_axes, jax.sharding.get_abstract_mesh
         )
-        per_device = _value_and_grad(
-            fun,
-            num_microbatches,
-            microbatch_size=local_microbatch_size,
-            **options,
+        per_device = make_accumulated(
+            fun, _per_device_options(options, args, device_mesh)
         )
 
         def on_device(*mapped: Any) -> Any:
@@ -264,32 +223,57 @@ def shard_value_and_grad(
                 call_args[num] = value
             return per_device(*call_args, **kwargs)
 
-        batch_entry = data_axes[0] if len(data_axes) == 1 else data_axes
-        mapped_step = jax.shard_map(
-            on_device,
-            mesh=device_mesh,
-            in_specs=tuple(
-                PartitionSpec(batch_entry) if num in batch_nums else PartitionSpec()
-                for num in mapped_nums
-            ),
-            out_specs=PartitionSpec(),
-            axis_names=set(data_axes),
-        )
-
-        def step(*mapped: Any) -> Any:
-            return mapped_step(
-                *(
-                    _fit_explicit(value, device_mesh, data_axes, num in batch_nums)
-                    for num, value in zip(mapped_nums, mapped, strict=True)
-                )
-            )
-
+        step = _shard_map(on_device, mapped_nums, options, device_mesh)
         # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
         # resharded (an eager shard_map refuses them); in the caller's jit,
         # this jit is inlined.
         return jax.jit(step)(*(args[num] for num in mapped_nums))
 
     return accumulated
+
+
+def _per_device_options(options: AccumOptions, args: tuple, mesh: Any) -> AccumOptions:
+    """The options of one device's window: its share of the micro-batch size."""
+    num_devices = math.prod(mesh.shape[axis] for axis in options.data_axes)
+    batch_size = _split.batch_size_of(
+        [(f"args[{i}]", args[i]) for i in options.batch_nums]
+    )
+    local_microbatch_size = _local_split(batch_size, num_devices, options)
+    if local_microbatch_size is None:
+        return options
+    return dataclasses.replace(options, microbatch_size=local_microbatch_size)
+
+
+def _shard_map(
+    on_device: Callable[..., Any],
+    mapped_nums: tuple[int, ...],
+    options: AccumOptions,
+    mesh: Any,
+) -> Callable[..., Any]:
+    """``on_device`` under ``shard_map``: batch arguments split over the data
+    axes, the differentiated and key arguments replicated over them."""
+    data_axes = options.data_axes
+    batch_entry = data_axes[0] if len(data_axes) == 1 else data_axes
+    mapped_step = jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=tuple(
+            PartitionSpec(batch_entry) if num in options.batch_nums else PartitionSpec()
+            for num in mapped_nums
+        ),
+        out_specs=PartitionSpec(),
+        axis_names=set(data_axes),
+    )
+
+    def step(*mapped: Any) -> Any:
+        return mapped_step(
+            *(
+                _fit_explicit(value, mesh, data_axes, num in options.batch_nums)
+                for num, value in zip(mapped_nums, mapped, strict=True)
+            )
+        )
+
+    return step
 
 
 def _fit_explicit(
@@ -327,15 +311,16 @@ def _fit_explicit(
 
 
 def _local_split(
-    batch_size: int,
-    num_devices: int,
-    data_axes: tuple[str, ...],
-    num_microbatches: int | None,
-    microbatch_size: int | None,
-    pad: bool,
+    batch_size: int, num_devices: int, options: AccumOptions
 ) -> int | None:
-    """Checks the per-device split; returns the per-device micro-batch size."""
-    where = f"{num_devices} devices on mesh axes {data_axes}"
+    """Checks the per-device split; returns the per-device micro-batch size
+    (None when the split is given as ``num_microbatches``)."""
+    num_microbatches, microbatch_size = (
+        options.num_microbatches,
+        options.microbatch_size,
+    )
+    pad = options.pad
+    where = f"{num_devices} devices on mesh axes {options.data_axes}"
     if batch_size % num_devices:
         raise ValueError(
             f"Batch size {batch_size} is not divisible by the {where}; every "
@@ -361,87 +346,12 @@ def _local_split(
             )
         return microbatch_size // num_devices
     if local_size % num_microbatches and not pad:
-        divisors = [d for d in range(1, local_size + 1) if local_size % d == 0]
         raise ValueError(
             f"Batch size {batch_size} over {where} is {local_size} rows per "
             f"device, which num_microbatches={num_microbatches} does not divide: "
             "each device splits its own rows into the micro-batches. Use "
-            f"num_microbatches from {divisors}, a batch size that is a multiple "
-            f"of {num_devices * num_microbatches}, or pad=True (with "
-            "reduction='weighted' or 'sum')."
+            f"num_microbatches from {_split.divisors(local_size)}, a batch size "
+            f"that is a multiple of {num_devices * num_microbatches}, or "
+            "pad=True (with reduction='weighted' or 'sum')."
         )
     return None
-
-
-def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
-    """Counts the collectives of a compiled step, inside and outside its loops.
-
-    Reads the optimised HLO (``compiled.as_text()``), the program XLA runs after
-    SPMD partitioning, and counts each collective instruction once per place it
-    appears (not per execution): ``"loop"`` counts those in a while loop's body
-    or condition (or a computation they call), which run once per iteration;
-    ``"outside"`` the rest. An all-reduce of several arrays fused into one
-    instruction counts once.
-
-    Args:
-      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
-        or its HLO text.
-
-    Returns:
-      ``{op: {"loop": count, "outside": count}}`` for each op in
-      :data:`COLLECTIVES`.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> import jaxaccum
-      >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
-      >>> counts = jaxaccum.count_collectives(
-      ...     step.lower(jnp.ones(3), jnp.ones((4, 3))).compile())
-      >>> counts["all-reduce"]  # one device: nothing to reduce
-      {'loop': 0, 'outside': 0}
-    """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    bodies: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = bodies.setdefault(header.group(1), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line)
-
-    def callees(lines: list[str], kinds: tuple[str, ...]) -> set[str]:
-        names = {
-            name for kind, name in _CALLED.findall("\n".join(lines)) if kind in kinds
-        }
-        if "branch_computations" in kinds:
-            for group in _BRANCHES.findall("\n".join(lines)):
-                names.update(name.strip().lstrip("%") for name in group.split(","))
-        return names
-
-    all_kinds = (
-        "body",
-        "condition",
-        "calls",
-        "to_apply",
-        "true_computation",
-        "false_computation",
-        "branch_computations",
-    )
-    in_loop: set[str] = set()
-    pending = set().union(
-        *(callees(lines, ("body", "condition")) for lines in bodies.values())
-    )
-    while pending:
-        name = pending.pop()
-        if name not in in_loop:
-            in_loop.add(name)
-            pending |= callees(bodies.get(name, []), all_kinds)
-    counts = {op: {"loop": 0, "outside": 0} for op in COLLECTIVES}
-    for name, lines in bodies.items():
-        for line in lines:
-            for op in _OP.findall(line):
-                counts[op]["loop" if name in in_loop else "outside"] += 1
-    return counts

@@ -36,8 +36,9 @@ from typing import Any
 import jax
 import optax
 
-from jaxaccum import split
-from jaxaccum.grad import value_and_grad
+from jaxaccum import _split
+from jaxaccum._options import AccumOptions, argnums_tuple, check_count
+from jaxaccum._value_and_grad import make_accumulated
 
 _UNITS = {
     "b": 1,
@@ -110,9 +111,9 @@ class MemoryPlan:
         step = "grads + optimizer update" if self.includes_optimizer else "grads"
         header = (
             f"Memory plan ({step}): batch {self.batch_size}, budget "
-            f"{_format_bytes(self.memory_budget)} -> num_microbatches="
+            f"{format_bytes(self.memory_budget)} -> num_microbatches="
             f"{self.num_microbatches} (micro-batch {self.microbatch_size}), "
-            f"footprint {_format_bytes(self.footprint_bytes)}"
+            f"footprint {format_bytes(self.footprint_bytes)}"
         )
         return header + "\n" + _format_rows(self.rows, self.num_microbatches)
 
@@ -258,25 +259,23 @@ def plan(
                 f"{name}. Restrict the choice with candidates=[...] instead."
             )
     budget = parse_memory_budget(memory_budget)
-    # Building the function validates argnums, batch_argnums and the rest.
-    value_and_grad(fun, 1, **value_and_grad_kwargs)
-    batch_argnums = value_and_grad_kwargs.get("batch_argnums", 1)
-    batch_nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    # Validates argnums, batch_argnums and the rest once, before compiling.
+    options = AccumOptions(1, **value_and_grad_kwargs)
+    batch_nums = options.batch_nums
     if len(args) <= max(batch_nums):
         raise TypeError(
             f"plan got {len(args)} positional argument(s) for fun, but "
-            f"batch_argnums={batch_argnums!r} needs at least {max(batch_nums) + 1}."
+            f"batch_argnums={options.batch_argnums!r} needs at least "
+            f"{max(batch_nums) + 1}."
         )
-    batch_size = split.batch_size_of([(f"args[{i}]", args[i]) for i in batch_nums])
+    batch_size = _split.batch_size_of([(f"args[{i}]", args[i]) for i in batch_nums])
     candidates = _check_candidates(candidates, batch_size)
 
     rows: dict[int, MemoryPlanRow] = {}
 
     def fits(index: int) -> bool:
         num = candidates[index]
-        rows[num] = _measure(
-            fun, args, num, batch_size, budget, optimizer, value_and_grad_kwargs
-        )
+        rows[num] = measure(fun, args, num, batch_size, budget, optimizer, options)
         return rows[num].fits
 
     if fits(0):
@@ -285,8 +284,8 @@ def plan(
         smallest = min(rows.values(), key=lambda row: row.total_bytes)
         raise ValueError(
             f"No number of micro-batches fits memory_budget="
-            f"{_format_bytes(budget)} ({budget} bytes): the smallest footprint "
-            f"compiled is {_format_bytes(smallest.total_bytes)} "
+            f"{format_bytes(budget)} ({budget} bytes): the smallest footprint "
+            f"compiled is {format_bytes(smallest.total_bytes)} "
             f"({smallest.total_bytes} bytes) at num_microbatches="
             f"{smallest.num_microbatches} (micro-batch {smallest.microbatch_size})."
             " Raise the budget, use a smaller batch or model, or try remat=True.\n"
@@ -330,7 +329,7 @@ def _device_budget() -> int:
 def _check_candidates(candidates: Iterable[int] | None, batch_size: int) -> list[int]:
     """Returns the candidates sorted and deduplicated, each dividing the batch."""
     if candidates is None:
-        return split._divisors(batch_size)
+        return _split.divisors(batch_size)
     candidates = list(candidates)
     if not candidates:
         raise ValueError(
@@ -338,8 +337,8 @@ def _check_candidates(candidates: Iterable[int] | None, batch_size: int) -> list
             f"None for every divisor of the batch size {batch_size}."
         )
     for num in candidates:
-        split.check_count("each candidate number of micro-batches", num)
-        split.resolve_num_microbatches(batch_size, num, None)
+        check_count("each candidate number of micro-batches", num)
+        _split.resolve_num_microbatches(batch_size, num, None)
     return sorted(set(int(num) for num in candidates))
 
 
@@ -348,21 +347,23 @@ def _compile(fun: Callable[..., Any], args: Sequence[Any], donate_argnums: tuple
     return jax.jit(fun, donate_argnums=donate_argnums).lower(*args).compile()
 
 
-def _measure(
+def measure(
     fun: Callable[..., Any],
     args: Sequence[Any],
     num_microbatches: int,
     batch_size: int,
     budget: int,
     optimizer: optax.GradientTransformation | None,
-    value_and_grad_kwargs: dict[str, Any],
+    options: AccumOptions,
 ) -> MemoryPlanRow:
-    step = value_and_grad(fun, num_microbatches, **value_and_grad_kwargs)
+    """Compiles the step with ``num_microbatches`` and reads its memory; the
+    one measurement behind every figure of a plan."""
+    step = make_accumulated(
+        fun, dataclasses.replace(options, num_microbatches=num_microbatches)
+    )
     donate_argnums: tuple = ()
     if optimizer is not None:
-        step, args, donate_argnums = _train_step(
-            step, args, optimizer, value_and_grad_kwargs.get("argnums", 0)
-        )
+        step, args, donate_argnums = train_step(step, args, optimizer, options.argnums)
     start = time.perf_counter()
     analysis = _compile(step, args, donate_argnums).memory_analysis()
     seconds = time.perf_counter() - start
@@ -372,12 +373,7 @@ def _measure(
             "compiled programs, so plan cannot measure the step. Choose "
             "num_microbatches by hand on this backend."
         )
-    total = (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        + analysis.temp_size_in_bytes
-        - analysis.alias_size_in_bytes
-    )
+    total = total_bytes(analysis)
     return MemoryPlanRow(
         num_microbatches=num_microbatches,
         microbatch_size=batch_size // num_microbatches,
@@ -391,7 +387,18 @@ def _measure(
     )
 
 
-def _train_step(
+def total_bytes(analysis: Any) -> int:
+    """The footprint of a compiled program from its ``memory_analysis()``:
+    arguments + outputs + temporaries - aliased (donated) bytes."""
+    return (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        + analysis.temp_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
+
+
+def train_step(
     value_and_grad_fun: Callable[..., Any],
     args: Sequence[Any],
     optimizer: optax.GradientTransformation,
@@ -402,7 +409,7 @@ def _train_step(
     Returns the step, its arguments (optimizer state shapes first) and the
     argument numbers to donate: the optimizer state and the parameters.
     """
-    diff_nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    diff_nums = argnums_tuple("argnums", argnums)
 
     def params_of(call_args: Sequence[Any]) -> Any:
         params = tuple(call_args[i] for i in diff_nums)
@@ -418,7 +425,8 @@ def _train_step(
     return step, (opt_state, *args), (0, *(1 + i for i in diff_nums))
 
 
-def _format_bytes(size: int) -> str:
+def format_bytes(size: int) -> str:
+    """``size`` bytes in the largest binary unit that keeps it >= 1, e.g. 9.1 MiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(size) >= scale:
             return f"{size / scale:.1f} {unit}"
@@ -431,8 +439,8 @@ def _format_rows(rows: Sequence[MemoryPlanRow], chosen: int | None) -> str:
         (
             str(row.num_microbatches),
             str(row.microbatch_size),
-            _format_bytes(row.temp_bytes),
-            _format_bytes(row.total_bytes),
+            format_bytes(row.temp_bytes),
+            format_bytes(row.total_bytes),
             f"{row.compile_seconds:.2f}",
             ("yes" if row.fits else "no")
             + ("  <- chosen" if row.num_microbatches == chosen else ""),

@@ -1,0 +1,209 @@
+"""The options of an accumulated function, built and validated once.
+
+Every front end (``value_and_grad``, ``grad``, ``shard_value_and_grad``, the
+Flax helpers, ``plan``, ``testing``) turns its keyword arguments into one
+:class:`AccumOptions`; the core reads nothing else. A new option is added here,
+and where a front end needs a variant it derives it with
+``dataclasses.replace``.
+"""
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+Reduction = Literal["mean", "sum", "weighted"]
+AuxReduction = Literal["mean", "sum", "stack", "concat", "last"]
+ArgNums = int | Sequence[int]
+
+REDUCTIONS: tuple[str, ...] = typing.get_args(Reduction)
+AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
+# Aux reductions that keep one micro-batch's values: per device under shard_map.
+PER_MICROBATCH_AUX: tuple[str, ...] = ("stack", "concat", "last")
+
+
+def argnums_tuple(name: str, argnums: ArgNums) -> tuple[int, ...]:
+    """``argnums`` as a tuple of distinct non-negative ints, or a clear error."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for num in nums:
+        if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+            raise TypeError(f"{name} must hold non-negative ints, got {argnums!r}.")
+    if len(set(nums)) != len(nums):
+        raise ValueError(f"{name} has repeated entries: {argnums!r}.")
+    return nums
+
+
+def check_count(name: str, value: Any) -> None:
+    """Checks that a micro-batch count or size is a positive Python int."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(
+            f"{name} must be a positive Python int, got {value!r} of type "
+            f"{type(value).__name__}. It fixes the compiled loop's length, so "
+            "it cannot be a traced or float value."
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumOptions:
+    """How a function is accumulated; see :func:`jaxaccum.value_and_grad`.
+
+    Attributes:
+      num_microbatches: ``N``; exactly one of it and ``microbatch_size``.
+      microbatch_size: examples per micro-batch.
+      argnums: argument(s) differentiated.
+      batch_argnums: argument(s) split into micro-batches.
+      key_argnums: PRNG key argument(s), split per micro-batch.
+      state_argnums: state argument(s) carried through the micro-batches.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      reduction: what ``fun``'s loss is over its batch.
+      aux_reduction: how aux leaves combine over micro-batches.
+      accum_dtype: dtype float sums accumulate in (at least).
+      pad: pad a batch that ``N`` does not divide, masking the padded rows.
+      unroll: passed to ``jax.lax.scan``.
+      remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
+      report_finite: also return a :class:`jaxaccum.FiniteReport`.
+      data_axes: manual mesh axes the batch is split over (``shard_map``):
+        each device accumulates its rows, reduced once after the loop.
+    """
+
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    argnums: ArgNums = 0
+    batch_argnums: ArgNums = 1
+    key_argnums: ArgNums = ()
+    state_argnums: ArgNums = ()
+    has_aux: bool = False
+    reduction: Reduction = "mean"
+    aux_reduction: Any = "mean"
+    accum_dtype: Any = jnp.float32
+    pad: bool = False
+    unroll: int | bool = 1
+    remat: bool | Callable[..., Any] = False
+    report_finite: bool = False
+    data_axes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.num_microbatches is None) == (self.microbatch_size is None):
+            raise ValueError(
+                "Pass exactly one of num_microbatches (how many micro-batches) "
+                "and microbatch_size (examples per micro-batch); got "
+                f"num_microbatches={self.num_microbatches!r}, "
+                f"microbatch_size={self.microbatch_size!r}."
+            )
+        if self.num_microbatches is not None:
+            check_count("num_microbatches", self.num_microbatches)
+        else:
+            check_count("microbatch_size", self.microbatch_size)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}."
+            )
+        if isinstance(self.aux_reduction, str) and (
+            self.aux_reduction not in AUX_REDUCTIONS
+        ):
+            raise ValueError(
+                f"Unknown aux_reduction {self.aux_reduction!r}; use one of "
+                f"{AUX_REDUCTIONS}, or a pytree prefix of the aux output mapping "
+                "leaves to them."
+            )
+        if self.pad and self.reduction == "mean":
+            raise ValueError(
+                "pad=True needs reduction='weighted' (or 'sum'): padded rows make "
+                "the micro-batches' real sizes unequal, so the mean of their means "
+                "is not the batch mean. Return (loss_sum, weight) from fun, with "
+                "example_mask applied to both, and use reduction='weighted'."
+            )
+        self._check_roles()
+
+    def _check_roles(self) -> None:
+        roles = self.roles
+        if not roles["argnums"]:
+            raise ValueError(
+                "argnums must name at least one argument to differentiate."
+            )
+        if not roles["batch_argnums"]:
+            raise ValueError("batch_argnums must name at least one batch argument.")
+        all_nums = self.all_nums
+        for index, num in enumerate(all_nums):
+            if num in all_nums[:index]:
+                named = [name for name, nums in roles.items() if num in nums]
+                raise ValueError(
+                    f"Argument {num} is in {' and '.join(named)}; an argument is "
+                    "differentiated, split into micro-batches, a PRNG key to split, "
+                    "or carried state: only one of these."
+                )
+
+    @property
+    def roles(self) -> dict[str, tuple[int, ...]]:
+        """Each argument role's name and its argument numbers, as tuples."""
+        return {
+            name: argnums_tuple(name, getattr(self, name))
+            for name in ("argnums", "batch_argnums", "key_argnums", "state_argnums")
+        }
+
+    @property
+    def diff_nums(self) -> tuple[int, ...]:
+        return argnums_tuple("argnums", self.argnums)
+
+    @property
+    def batch_nums(self) -> tuple[int, ...]:
+        return argnums_tuple("batch_argnums", self.batch_argnums)
+
+    @property
+    def key_nums(self) -> tuple[int, ...]:
+        return argnums_tuple("key_argnums", self.key_argnums)
+
+    @property
+    def state_nums(self) -> tuple[int, ...]:
+        return argnums_tuple("state_argnums", self.state_argnums)
+
+    @property
+    def all_nums(self) -> tuple[int, ...]:
+        """Every argument number with a role, in role order."""
+        return sum(self.roles.values(), ())
+
+    @property
+    def full_batch(self) -> "AccumOptions":
+        """These options with one micro-batch: exactly ``jax.value_and_grad``."""
+        return dataclasses.replace(self, num_microbatches=1, microbatch_size=None)
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> "AccumOptions":
+        """Options from a front end's ``locals()``: its arguments that are fields.
+
+        The front ends' signatures name the fields again (that is what users
+        read and type checkers check); this keeps them from being listed a
+        third time in the call that builds the options.
+        """
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: arguments[name] for name in names if name in arguments})
+
+
+def check_accepts_example_mask(fun: Callable[..., Any]) -> None:
+    """With ``pad``, ``fun`` is called with ``example_mask=``: it must take it."""
+    try:
+        parameters = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a C function)
+        return
+    if any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD
+        or (
+            parameter.name == "example_mask"
+            and parameter.kind is not inspect.Parameter.POSITIONAL_ONLY
+        )
+        for parameter in parameters
+    ):
+        return
+    name = getattr(fun, "__qualname__", repr(fun))
+    raise TypeError(
+        f"pad=True calls fun with the keyword argument example_mask (a boolean "
+        f"(micro-batch size,) array, False on padded rows), but {name} does not "
+        "accept it. Add `example_mask` to its signature and apply it to the "
+        "losses and weights, e.g. jaxaccum.masked_sum(losses, example_mask)."
+    )

@@ -1,0 +1,472 @@
+"""In-step accumulation: ``value_and_grad`` over micro-batches in one ``lax.scan``."""
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple, ParamSpec, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxaccum import _split
+from jaxaccum._options import (
+    AccumOptions,
+    ArgNums,
+    Reduction,
+    check_accepts_example_mask,
+)
+from jaxaccum._window import (
+    FiniteReport,
+    MicroOut,
+    MicroResult,
+    Window,
+    WindowOut,
+    all_finite,
+)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    num_microbatches: int | None = None,
+    *,
+    microbatch_size: int | None = None,
+    argnums: ArgNums = 0,
+    batch_argnums: ArgNums = 1,
+    key_argnums: ArgNums = (),
+    state_argnums: ArgNums = (),
+    has_aux: bool = False,
+    reduction: Reduction = "mean",
+    aux_reduction: Any = "mean",
+    accum_dtype: Any = jnp.float32,
+    pad: bool = False,
+    unroll: int | bool = 1,
+    remat: bool | Callable[..., Any] = False,
+    report_finite: bool = False,
+) -> Callable[..., Any]:
+    """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
+
+    The batch is split into ``N`` strided micro-batches (example ``i`` goes to
+    micro-batch ``i mod N``) and forward + backward runs on one micro-batch at a
+    time inside a single ``jax.lax.scan``. Under ``jax.jit`` this is one
+    compiled step whose activation memory is that of one micro-batch, and whose
+    result equals ``jax.value_and_grad(fun)`` on the whole batch:
+
+    * ``reduction="mean"``: ``fun`` returns the mean loss of the batch it is
+      given; the result is the mean over the ``N`` equal micro-batches, which is
+      the full-batch mean and its gradient.
+    * ``reduction="sum"``: ``fun`` returns a sum; the results are summed.
+    * ``reduction="weighted"``: ``fun`` returns ``(loss_sum, weight)``: the sum
+      of its micro-batch's per-token (or per-example) losses and the count (or
+      total weight) of what was summed. The value is ``sum(loss_sum) /
+      sum(weight)`` over the window and the gradient ``sum(grad loss_sum) /
+      sum(weight)``: exactly the full-batch masked mean, however unevenly the
+      valid tokens fall into micro-batches. A window whose total weight is 0
+      gives zero gradients and value 0, never NaN.
+
+    Gradients (and the value) accumulate in ``accum_dtype`` (float32 by default,
+    so bfloat16/float16 gradients are cast up) and are returned in their own
+    dtype. The scan body is traced and compiled once, whatever ``N``.
+
+    Args:
+      fun: the loss function, ``fun(*args, **kwargs) -> loss`` (or
+        ``(loss, aux)`` with ``has_aux=True``), where ``loss`` is a scalar, or
+        ``(loss_sum, weight)`` with ``reduction="weighted"``.
+      num_microbatches: ``N``, the number of micro-batches; must divide the
+        batch size (unless ``pad``). Exactly one of ``num_microbatches`` and
+        ``microbatch_size``.
+      microbatch_size: examples per micro-batch; must divide the batch size
+        (unless ``pad``).
+      argnums: positional argument(s) to differentiate, as in
+        ``jax.value_and_grad``. Their leaves must be floats.
+      batch_argnums: positional argument(s) holding the batch: pytrees whose
+        leaves share a leading batch axis.
+      key_argnums: positional argument(s) holding PRNG keys (typed or raw). Each
+        key is split into ``N`` independent keys with ``jax.random.split``, and
+        micro-batch ``k`` gets key ``k`` (with ``N == 1`` the key is passed
+        unchanged). The same key gives bitwise the same result.
+      state_argnums: positional argument(s) holding state that ``fun`` updates,
+        such as BatchNorm statistics. ``fun`` then returns ``(out, new_state)``
+        (``out`` being what it returns otherwise) and the state is carried
+        through the micro-batches in order: micro-batch ``k`` sees the state
+        micro-batch ``k - 1`` returned. Not differentiated.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      reduction: ``"mean"``, ``"sum"`` or ``"weighted"``: what ``fun``'s loss is
+        over the batch it is given (see above).
+      aux_reduction: how each aux leaf combines over micro-batches: ``"mean"``
+        (integer leaves give a float mean), ``"sum"``, ``"stack"`` (all ``N``
+        results on a new leading axis, in micro-batch order), ``"concat"``
+        (per-example leaves, whose leading axis is the micro-batch size, come
+        back as one ``(B, ...)`` array in the batch's own order, padded rows
+        removed: logits for an accuracy, say) or ``"last"``; a single string
+        or a pytree prefix of the aux output.
+      accum_dtype: dtype float gradients accumulate in (at least); ``None``
+        keeps each gradient's own dtype.
+      pad: accept a batch size that ``N`` (or ``microbatch_size``) does not
+        divide by padding the batch with zero rows at its end. Padded rows must
+        contribute nothing, so ``fun`` is then called with a keyword argument
+        ``example_mask``: a boolean ``(micro-batch size,)`` array, False on
+        padded rows, which ``fun`` must apply to its losses and weights (a
+        ``fun`` without that keyword is an error). Needs
+        ``reduction="weighted"`` or ``"sum"`` (a mean over micro-batches of
+        unequal real size is not the batch mean).
+      unroll: passed to ``jax.lax.scan``.
+      remat: ``True`` wraps the micro-batch loss in ``jax.checkpoint`` (its
+        forward pass is recomputed in the backward pass); a checkpoint policy
+        such as ``jax.checkpoint_policies.dots_saveable`` is used as the policy.
+      report_finite: also return a :class:`FiniteReport` saying which
+        micro-batches had a non-finite loss or gradient.
+
+    Returns:
+      A function with ``fun``'s signature returning ``(value, grads)``, or
+      ``((value, aux), grads)`` with ``has_aux``; with ``state_argnums``, that
+      result and the new state: ``(result, new_state)``; with
+      ``report_finite``, all that and the report: ``(out, report)``. ``grads``
+      has the structure of ``args[argnums]`` (a tuple of them if ``argnums``
+      is a sequence).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import jaxaccum
+      >>> def loss(params, batch):
+      ...     return jnp.mean((batch["x"] @ params - batch["y"]) ** 2)
+      >>> params = jnp.ones(3)
+      >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros(8)}
+      >>> step = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4))
+      >>> value, grads = step(params, batch)
+      >>> value, grads
+      (Array(9., dtype=float32), Array([6., 6., 6.], dtype=float32))
+      >>> optimizer = optax.sgd(0.125)
+      >>> updates, _ = optimizer.update(grads, optimizer.init(params))
+      >>> optax.apply_updates(params, updates)
+      Array([0.25, 0.25, 0.25], dtype=float32)
+    """
+    return make_accumulated(fun, AccumOptions.from_arguments(locals()))
+
+
+def _signature_of(
+    source: Callable[_P, Any],
+) -> Callable[[Callable[..., _R]], Callable[_P, _R]]:
+    """Gives the decorated function ``source``'s signature, for ``help``, IDEs
+    and type checkers, without writing its keyword list out again."""
+
+    def decorate(target: Callable[..., _R]) -> Callable[_P, _R]:
+        target.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]
+        return target
+
+    return decorate
+
+
+@_signature_of(value_and_grad)
+def grad(
+    fun: Callable[..., Any], num_microbatches: int | None = None, **keywords: Any
+) -> Callable[..., Any]:
+    """Like :func:`value_and_grad` but returns only the gradient.
+
+    With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
+    ``state_argnums``, ``(that, new_state)``; with ``report_finite``, all that
+    and the :class:`FiniteReport`. All arguments are those of
+    :func:`value_and_grad`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxaccum
+      >>> loss = lambda w, x: jnp.mean(x @ w)
+      >>> jaxaccum.grad(loss, num_microbatches=2)(jnp.ones(2), jnp.ones((4, 2)))
+      Array([1., 1.], dtype=float32)
+    """
+    # Binding to value_and_grad's signature rejects what it would reject.
+    arguments = inspect.signature(value_and_grad).bind(
+        fun, num_microbatches, **keywords
+    )
+    options = AccumOptions.from_arguments(arguments.arguments)
+    value_and_grad_fun = make_accumulated(fun, options)
+
+    def only_grads(out):
+        result, new_state = out if options.state_nums else (out, None)
+        value_or_pair, grads = result
+        grads = (grads, value_or_pair[1]) if options.has_aux else grads
+        return (grads, new_state) if options.state_nums else grads
+
+    @functools.wraps(fun)
+    def grad_fun(*args: Any, **call_kwargs: Any) -> Any:
+        out = value_and_grad_fun(*args, **call_kwargs)
+        if options.report_finite:
+            return only_grads(out[0]), out[1]
+        return only_grads(out)
+
+    return grad_fun
+
+
+class _Inputs(NamedTuple):
+    """The window's arguments by role (each a tuple in argument order)."""
+
+    diff: tuple
+    batch: tuple
+    keys: tuple
+    state: tuple
+    example_mask: jax.Array | None
+
+
+def make_accumulated(
+    fun: Callable[..., Any], options: AccumOptions
+) -> Callable[..., Any]:
+    """``fun`` accumulated as ``options`` say: the core of every front end.
+
+    With ``options.data_axes`` (manual mesh axes the batch is split over, inside
+    ``shard_map``), each device accumulates the sums of its own rows and they
+    are all-reduced once, after the micro-batch loop; parameters and keys are
+    prepared per device.
+    """
+    if options.pad:
+        check_accepts_example_mask(fun)
+
+    @functools.wraps(fun)
+    def accumulated(*args: Any, **kwargs: Any) -> Any:
+        check_arg_count(args, options)
+        labelled_batches = [(f"args[{i}]", args[i]) for i in options.batch_nums]
+        split = _split.resolve_num_microbatches(
+            _split.batch_size_of(labelled_batches),
+            options.num_microbatches,
+            options.microbatch_size,
+            pad=options.pad,
+        )
+        if split.num_microbatches > 1:
+            _split.check_sharded_split(
+                labelled_batches, split.padded_size, split.num_microbatches
+            )
+        _check_differentiable(args, options.diff_nums)
+        micro = _micro_value_and_grad(fun, args, kwargs, options)
+        inputs = _inputs(args, options, split)
+        run = _single if split.num_microbatches == 1 else _scan
+        return _package(run(micro, inputs, options, split), options)
+
+    return accumulated
+
+
+def check_arg_count(args: tuple, options: AccumOptions) -> None:
+    needed = max(options.all_nums) + 1
+    if len(args) < needed:
+        used = ", ".join(
+            f"{name}={nums}" for name, nums in options.roles.items() if nums
+        )
+        raise TypeError(
+            f"The accumulated function needs at least {needed} positional "
+            f"arguments ({used}), got {len(args)}."
+        )
+
+
+def _check_differentiable(args: tuple, argnums: tuple[int, ...]) -> None:
+    for num in argnums:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[num]):
+            dtype = jnp.result_type(leaf)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                raise TypeError(
+                    f"Differentiated leaf args[{num}]{jax.tree_util.keystr(path)} "
+                    f"has dtype {dtype}; gradients need float (or complex) "
+                    "leaves. Cast it to a float dtype, or pass it in an argument "
+                    "that is not in argnums."
+                )
+
+
+def _weighted_pair(loss: Any) -> tuple[Any, Any]:
+    if not (isinstance(loss, tuple | list) and len(loss) == 2):
+        raise TypeError(
+            "With reduction='weighted', fun must return (loss_sum, weight) (with "
+            "has_aux: ((loss_sum, weight), aux)), where loss_sum sums the "
+            "micro-batch's losses and weight counts (or sums the weights of) "
+            f"what was summed; got {type(loss).__name__}."
+        )
+    return loss[0], loss[1]
+
+
+def _micro_value_and_grad(
+    fun: Callable[..., Any], args: tuple, kwargs: dict, options: AccumOptions
+) -> Callable[..., MicroResult]:
+    """The value and gradient of one micro-batch, as a :class:`MicroResult`.
+
+    Called as ``micro(diff, batch, keys, state, example_mask)``, each a tuple of
+    that role's arguments; the other arguments of ``fun`` are closed over.
+    """
+    roles = (
+        options.diff_nums,
+        options.batch_nums,
+        options.key_nums,
+        options.state_nums,
+    )
+
+    def micro_loss(*role_vals_and_mask):
+        *role_vals, example_mask = role_vals_and_mask
+        call_args = list(args)
+        for nums, vals in zip(roles, role_vals, strict=True):
+            for i, val in zip(nums, vals, strict=True):
+                call_args[i] = val
+        extra = {"example_mask": example_mask} if options.pad else {}
+        out = fun(*call_args, **kwargs, **extra)
+        new_state = ()
+        if options.state_nums:
+            out, new_state = out
+            if isinstance(options.state_argnums, int):
+                new_state = (new_state,)
+        loss, aux = out if options.has_aux else (out, ())
+        weight = ()
+        if options.reduction == "weighted":
+            loss, weight = _weighted_pair(loss)
+        return loss, MicroOut(weight, aux, tuple(new_state))
+
+    if options.remat:
+        policy = None if isinstance(options.remat, bool) else options.remat
+        micro_loss = jax.checkpoint(micro_loss, policy=policy)
+    value_and_grad_fun = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def micro(diff, batch, keys, state, example_mask) -> MicroResult:
+        # Named so that a profiler trace shows where a window's time goes.
+        with jax.named_scope("jaxaccum_microbatch"):
+            (value, out), grads = value_and_grad_fun(
+                diff, batch, keys, state, example_mask
+            )
+        return MicroResult(value, out, grads)
+
+    return micro
+
+
+def _inputs(args: tuple, options: AccumOptions, split: _split.Split) -> _Inputs:
+    """The window's arguments by role; the batch padded, keys per device."""
+    diff = tuple(args[i] for i in options.diff_nums)
+    keys = tuple(args[i] for i in options.key_nums)
+    if options.data_axes:
+        diff, keys = _per_device(diff, keys, options.data_axes)
+    batch = _split.pad_batch(
+        tuple(args[i] for i in options.batch_nums), split.padded_size
+    )
+    example_mask = None
+    if options.pad:
+        example_mask = jnp.arange(split.padded_size) < split.batch_size
+    return _Inputs(
+        diff, batch, keys, tuple(args[i] for i in options.state_nums), example_mask
+    )
+
+
+def _per_device(
+    diff_vals: tuple, key_vals: tuple, data_axes: tuple[str, ...]
+) -> tuple[tuple, tuple]:
+    """Prepares replicated inputs for a window accumulated per device.
+
+    Parameters are cast to varying over the data axes: differentiating an
+    invariant input inside ``shard_map`` would psum its cotangent (the transpose
+    of the implicit cast) in every micro-batch's backward pass, which is what
+    deferring the reduction avoids. Keys are folded with the device's index so
+    devices draw independent randomness for their rows.
+    """
+    device_index = lax.axis_index(data_axes)
+    return lax.pcast(diff_vals, data_axes, to="varying"), jax.tree.map(
+        lambda key: jax.random.fold_in(key, device_index), key_vals
+    )
+
+
+def _check_state(state_vals: tuple, new_state: tuple, state_nums: tuple) -> None:
+    """The state fun returns must have the structure, shapes and dtypes it got."""
+    for num, before, after in zip(state_nums, state_vals, new_state, strict=True):
+        old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(before)
+        new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(after)
+        if old_tree != new_tree:
+            raise ValueError(
+                f"The new state fun returns for args[{num}] has structure "
+                f"{new_tree}, but the state passed in has {old_tree}. Return the "
+                "updated state with the same structure as the state argument."
+            )
+        for (path, old), (_, new) in zip(old_leaves, new_leaves, strict=True):
+            old_spec = (jnp.shape(old), jnp.result_type(old))
+            new_spec = (jnp.shape(new), jnp.result_type(new))
+            if old_spec != new_spec:
+                raise ValueError(
+                    f"State leaf args[{num}]{jax.tree_util.keystr(path)} comes "
+                    f"back from fun with shape {new_spec[0]} and dtype "
+                    f"{new_spec[1]}, but went in with shape {old_spec[0]} and "
+                    f"dtype {old_spec[1]}; it is carried from one micro-batch to "
+                    "the next, so both must be the same."
+                )
+
+
+def _window(
+    result_shape: MicroResult,
+    inputs: _Inputs,
+    options: AccumOptions,
+    split: _split.Split,
+) -> Window:
+    """The window of both paths, once the state ``fun`` returns is checked."""
+    _check_state(inputs.state, result_shape.out.new_state, options.state_nums)
+    return Window(result_shape, options, split)
+
+
+def _single(
+    micro: Callable[..., MicroResult],
+    inputs: _Inputs,
+    options: AccumOptions,
+    split: _split.Split,
+) -> WindowOut:
+    """One micro-batch, no scan, the key passed unchanged: jax.value_and_grad."""
+    result = micro(*inputs)
+    window = _window(jax.eval_shape(lambda: result), inputs, options, split)
+    sums, stacked = window.add(window.zeros(), result)
+    value, aux, grads = window.result(sums, [x[None] for x in stacked])
+    return WindowOut(value, aux, grads, result.out.new_state, all_finite(result)[None])
+
+
+def _scan(
+    micro: Callable[..., MicroResult],
+    inputs: _Inputs,
+    options: AccumOptions,
+    split: _split.Split,
+) -> WindowOut:
+    """The micro-batches in one scan over a strided view of the batch."""
+    num = split.num_microbatches
+    batch_view = _split.strided_view(inputs.batch, num)
+    mask_view = None
+    if inputs.example_mask is not None:
+        mask_view = _split.strided_view(inputs.example_mask, num)
+    keys = jax.tree.map(lambda key: jax.random.split(key, num), inputs.keys)
+
+    def micro_at(index, micro_keys, state):
+        mask = None if mask_view is None else _split.take_microbatch(mask_view, index)
+        micro_batch = _split.take_microbatch(batch_view, index)
+        return micro(inputs.diff, micro_batch, micro_keys, state, mask)
+
+    first_keys = jax.tree.map(lambda k: k[0], keys)
+    result_shape = jax.eval_shape(
+        micro_at, jnp.zeros((), jnp.int32), first_keys, inputs.state
+    )
+    window = _window(result_shape, inputs, options, split)
+
+    def body(carry, xs):
+        sums, state = carry
+        result = micro_at(*xs, state)
+        sums, stacked = window.add(sums, result)
+        return (sums, result.out.new_state), (stacked, all_finite(result))
+
+    (sums, state), (stacked, microbatch_finite) = lax.scan(
+        body,
+        (window.zeros(), inputs.state),
+        (jnp.arange(num), keys),
+        unroll=options.unroll,
+    )
+    value, aux, grads = window.result(sums, stacked)
+    return WindowOut(value, aux, grads, state, microbatch_finite)
+
+
+def _package(out: WindowOut, options: AccumOptions) -> Any:
+    """The window's result in the layout ``value_and_grad`` documents."""
+    grads = out.grads[0] if isinstance(options.argnums, int) else out.grads
+    result = ((out.value, out.aux), grads) if options.has_aux else (out.value, grads)
+    if options.state_nums:
+        new_state = out.new_state
+        if isinstance(options.state_argnums, int):
+            new_state = new_state[0]
+        result = result, new_state
+    if options.report_finite:
+        finite = out.microbatch_finite
+        return result, FiniteReport(finite, jnp.all(finite))
+    return result

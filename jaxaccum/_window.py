@@ -1,0 +1,313 @@
+"""One window: the sums of its micro-batch results, and their normalisation.
+
+The window is the same whether it holds one micro-batch (``N == 1``, exactly
+``jax.value_and_grad``) or ``N`` of them in a ``lax.scan``: its sums start at
+zero, each micro-batch's :class:`MicroResult` is added, and :meth:`Window.result`
+normalises them by the reduction (mean, sum, or the total weight).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
+from jaxaccum._reduce import divide_by_total_weight
+from jaxaccum._split import Split, explicit_sharding
+
+
+class MicroOut(NamedTuple):
+    """What one micro-batch's loss returns besides the loss (the ``has_aux``
+    part of the inner ``jax.value_and_grad``).
+
+    Attributes:
+      weight: the weight of ``reduction="weighted"``, else ``()``.
+      aux: the aux output of ``fun``, else ``()``.
+      new_state: the new value of each ``state_argnums`` argument, a tuple.
+    """
+
+    weight: Any
+    aux: Any
+    new_state: tuple
+
+
+class MicroResult(NamedTuple):
+    """One micro-batch's loss, its other outputs and its gradients."""
+
+    value: Any
+    out: MicroOut
+    grads: Any
+
+
+class FiniteReport(NamedTuple):
+    """Which micro-batches of a window had a finite loss and gradient.
+
+    Returned by :func:`value_and_grad` with ``report_finite=True``. The flags
+    are taken per micro-batch inside the scan, before normalisation, so they
+    name the culprit even where the window's result hides it (a window of
+    zero total weight returns zeros).
+
+    Attributes:
+      microbatch_finite: bool ``(N,)``; entry ``k`` is True when micro-batch
+        ``k`` (examples ``k, k + N, ...``) gave a finite loss and gradient.
+      finite: bool scalar, all of them: use it to skip the update, e.g. with
+        ``jax.lax.cond(report.finite, apply_update, keep, ...)``.
+    """
+
+    microbatch_finite: jax.Array
+    finite: jax.Array
+
+
+def all_finite(result: MicroResult) -> jax.Array:
+    """Whether one micro-batch's loss and gradient are all finite."""
+    leaves = [jnp.asarray(result.value), *jax.tree.leaves(result.grads)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def accum_dtype_for(dtype: Any, accum_dtype: Any) -> Any:
+    """Float leaves accumulate in at least ``accum_dtype``; others as they are."""
+    if accum_dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+        return dtype
+    return jnp.promote_types(dtype, accum_dtype)
+
+
+def zeros_like_aval(aval: Any, dtype: Any) -> jax.Array:
+    """Zeros like ``aval``, sharded like it under an Explicit mesh.
+
+    There a scan carry's type includes its sharding, so an accumulator must start
+    sharded as the gradient it sums (e.g. a parameter sharded over a model axis).
+    """
+    return jnp.zeros(aval.shape, dtype, out_sharding=explicit_sharding(aval))
+
+
+def _strided_to_batch_order(stacked: jax.Array, batch_size: int) -> jax.Array:
+    """``(N, B / N, ...)`` micro-batch-major rows back to ``(B, ...)`` in batch
+    order: row ``j`` of micro-batch ``k`` is example ``j N + k``."""
+    rows = jnp.swapaxes(stacked, 0, 1)
+    rows = rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])
+    return rows[:batch_size]
+
+
+class AuxPlan:
+    """Per-leaf aux reductions, broadcast from the user's prefix tree."""
+
+    def __init__(self, aux_reduction: Any, aux_shape: Any, accum_dtype: Any):
+        try:
+            reductions = jax.tree.broadcast(aux_reduction, aux_shape)
+        except ValueError as error:
+            raise ValueError(
+                "aux_reduction must be one of "
+                f"{AUX_REDUCTIONS} or a pytree prefix of the aux output "
+                f"mapping leaves to them; got {aux_reduction!r} for aux of "
+                f"structure {jax.tree.structure(aux_shape)}."
+            ) from error
+        leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(
+            aux_shape
+        )
+        self.paths = [jax.tree_util.keystr(path) for path, _ in leaves_with_paths]
+        self.leaves = [leaf for _, leaf in leaves_with_paths]
+        self.reductions = jax.tree.leaves(reductions)
+        for reduction in self.reductions:
+            if reduction not in AUX_REDUCTIONS:
+                raise ValueError(
+                    f"Unknown aux reduction {reduction!r}; use one of {AUX_REDUCTIONS}."
+                )
+        self.accum_dtypes = [
+            self._carry_dtype(leaf.dtype, reduction, accum_dtype)
+            for leaf, reduction in zip(self.leaves, self.reductions, strict=True)
+        ]
+
+    @staticmethod
+    def _carry_dtype(dtype: Any, reduction: str, accum_dtype: Any) -> Any:
+        if reduction == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
+            return accum_dtype or jnp.float32
+        if reduction in ("mean", "sum"):
+            return accum_dtype_for(dtype, accum_dtype)
+        return dtype
+
+    def _stacked(self, reduction: str) -> bool:
+        return reduction in ("stack", "concat")
+
+    def check_concat(self, microbatch_size: int) -> None:
+        """A ``"concat"`` leaf must hold one row per example of its micro-batch."""
+        for path, leaf, reduction in zip(
+            self.paths, self.leaves, self.reductions, strict=True
+        ):
+            if reduction == "concat" and leaf.shape[:1] != (microbatch_size,):
+                raise ValueError(
+                    f"aux_reduction='concat' for aux leaf {path or '(root)'} of "
+                    f"shape {leaf.shape}: a concatenated leaf needs a leading "
+                    f"axis of one row per example of the micro-batch "
+                    f"({microbatch_size}). Use 'stack' to keep per-micro-batch "
+                    "values, or 'mean' / 'sum' to reduce them."
+                )
+
+    def init(self) -> list:
+        return [
+            zeros_like_aval(leaf, dtype)
+            for leaf, reduction, dtype in zip(
+                self.leaves, self.reductions, self.accum_dtypes, strict=True
+            )
+            if not self._stacked(reduction)
+        ]
+
+    def update(self, carry: list, aux: Any) -> tuple[list, list]:
+        """Folds one micro-batch's aux into the carry; returns (carry, stacked)."""
+        carried = iter(carry)
+        new_carry, stacked = [], []
+        for leaf, reduction, dtype in zip(
+            jax.tree.leaves(aux), self.reductions, self.accum_dtypes, strict=True
+        ):
+            leaf = jnp.asarray(leaf)
+            if self._stacked(reduction):
+                stacked.append(leaf)
+            elif reduction == "last":
+                next(carried)
+                new_carry.append(leaf)
+            else:
+                new_carry.append(next(carried) + leaf.astype(dtype))
+        return new_carry, stacked
+
+    def finalize(
+        self, carry: list, stacked: list, num_means: Any, batch_size: int
+    ) -> Any:
+        """The aux output: ``num_means`` divides means, ``batch_size`` cuts the
+        padding off concatenated leaves."""
+        carried, stacks = iter(carry), iter(stacked)
+        out = []
+        for leaf, reduction in zip(self.leaves, self.reductions, strict=True):
+            if reduction == "stack":
+                value = next(stacks)
+            elif reduction == "concat":
+                value = _strided_to_batch_order(next(stacks), batch_size)
+            elif reduction == "mean":
+                value = next(carried) / num_means
+                if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                    value = value.astype(leaf.dtype)
+            else:
+                value = next(carried)
+                if reduction == "sum":
+                    value = value.astype(leaf.dtype)
+            out.append(value)
+        return jax.tree.unflatten(self.treedef, out)
+
+
+class Sums(NamedTuple):
+    """The running sums of a window (the scan carry, state aside)."""
+
+    value: jax.Array
+    weight: Any
+    grads: Any
+    aux: list
+
+
+class Window:
+    """Sums of one window's micro-batch results, and their normalisation."""
+
+    def __init__(self, result_shape: MicroResult, options: AccumOptions, split: Split):
+        self.value_shape = result_shape.value
+        self.weight_shape = result_shape.out.weight
+        self.grads_shape = result_shape.grads
+        self.options = options
+        self.split = split
+        self.aux_plan = AuxPlan(
+            options.aux_reduction if options.has_aux else "mean",
+            result_shape.out.aux,
+            options.accum_dtype,
+        )
+        self.aux_plan.check_concat(split.microbatch_size)
+        if options.reduction == "weighted" and jnp.shape(self.weight_shape) != ():
+            raise TypeError(
+                "With reduction='weighted', the weight fun returns must be a "
+                f"scalar, got shape {jnp.shape(self.weight_shape)}."
+            )
+        per_device = set(PER_MICROBATCH_AUX) & set(self.aux_plan.reductions)
+        if options.data_axes and per_device:
+            raise ValueError(
+                f"aux_reduction {sorted(per_device)} is not supported when each "
+                "device accumulates its own rows (shard_value_and_grad): a "
+                "per-micro-batch aux value would be one device's, not the "
+                "batch's. Use 'mean' (averaged over micro-batches and devices, "
+                "exact for per-example means) or 'sum' for those aux leaves."
+            )
+
+    def _zeros(self, aval: Any) -> jax.Array:
+        dtype = accum_dtype_for(aval.dtype, self.options.accum_dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):  # integer weights: float sum
+            dtype = self.options.accum_dtype or jnp.float32
+        return zeros_like_aval(aval, dtype)
+
+    def zeros(self) -> Sums:
+        sums = Sums(
+            self._zeros(self.value_shape),
+            jax.tree.map(self._zeros, self.weight_shape),
+            jax.tree.map(self._zeros, self.grads_shape),
+            self.aux_plan.init(),
+        )
+        if self.options.data_axes:
+            # Per-device sums differ between devices: the carry is varying.
+            return lax.pcast(sums, self.options.data_axes, to="varying")
+        return sums
+
+    def add(self, sums: Sums, result: MicroResult) -> tuple[Sums, list]:
+        """Adds one micro-batch's results; returns (sums, aux to stack)."""
+
+        def add(total, x):
+            return total + jnp.asarray(x).astype(total.dtype)
+
+        aux_carry, stacked = self.aux_plan.update(sums.aux, result.out.aux)
+        return Sums(
+            add(sums.value, result.value),
+            jax.tree.map(add, sums.weight, result.out.weight),
+            jax.tree.map(add, sums.grads, result.grads),
+            aux_carry,
+        ), stacked
+
+    def result(self, sums: Sums, stacked: list) -> tuple[Any, Any, Any]:
+        """Normalises the sums; returns (value, aux, grads) in their own dtypes.
+
+        ``stacked`` holds the stacked and concatenated aux leaves, each with a
+        leading micro-batch axis.
+        """
+        num_means = self.split.num_microbatches
+        data_axes = self.options.data_axes
+        if data_axes:
+            # Deferred reduction: each device has summed its own rows over the
+            # whole window, and this is the window's only all-reduce.
+            sums = lax.psum(sums, data_axes)
+            num_means *= lax.axis_size(data_axes)
+        totals = (sums.value, sums.grads)
+        if self.options.reduction == "weighted":
+            value, grads = divide_by_total_weight(totals, sums.weight)
+        elif self.options.reduction == "mean":
+            value, grads = jax.tree.map(lambda total: total / num_means, totals)
+        else:
+            value, grads = totals
+        value, grads = jax.tree.map(
+            lambda x, aval: x.astype(aval.dtype),
+            (value, grads),
+            (self.value_shape, self.grads_shape),
+        )
+        aux = self.aux_plan.finalize(
+            sums.aux, stacked, num_means, self.split.batch_size
+        )
+        return value, aux, grads
+
+
+class WindowOut(NamedTuple):
+    """A window's normalised results, before they are laid out for the caller.
+
+    Attributes:
+      value: the loss.
+      aux: the reduced aux output (``()`` without ``has_aux``).
+      grads: a tuple of gradients, one per differentiated argument.
+      new_state: a tuple, the new value of each state argument.
+      microbatch_finite: bool ``(N,)``, see :class:`FiniteReport`.
+    """
+
+    value: Any
+    aux: Any
+    grads: Any
+    new_state: tuple
+    microbatch_finite: jax.Array

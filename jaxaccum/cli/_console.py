@@ -1,0 +1,5 @@
+"""The one rich console every command prints to."""
+
+from rich.console import Console
+
+console = Console()

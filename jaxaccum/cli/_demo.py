@@ -1,0 +1,268 @@
+"""``jaxaccum demo``: plan N for a budget, prove equivalence, train, compare.
+
+Trains a small Flax MLP on synthetic data with an effective batch whose
+full-batch step does not fit a stated memory budget: picks N with
+:func:`jaxaccum.plan`, proves the first step equals the full-batch step,
+trains the full-batch and the accumulated step on the same batches, prints the
+comparison table and writes the two loss curves, overlaid, to a PNG.
+
+Every memory figure it prints is the planner's: the same compiled train step
+(gradients, Adam update, parameters and optimizer state donated), so the plan
+and the comparison table cannot disagree.
+"""
+
+import argparse
+import json
+import pathlib
+import time
+import timeit
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+import jaxaccum
+from jaxaccum._options import AccumOptions
+from jaxaccum._plan import format_bytes, measure, train_step
+from jaxaccum.cli import _models
+from jaxaccum.cli._console import console
+
+DEMO_RTOL, DEMO_ATOL = 1e-4, 1e-6
+
+
+def demo_task(args: argparse.Namespace) -> _models.Task:
+    return _models.mlp_task(
+        features=args.features, hidden=(args.width, args.width), seed=args.seed
+    )
+
+
+def batch_shapes(task: _models.Task, batch_size: int) -> Any:
+    return jax.eval_shape(lambda: task.make_batch(jax.random.key(0), batch_size))
+
+
+def _jitted_train_step(task: _models.Task, num: int, optimizer) -> Callable:
+    """The planner's train step for ``N = num``: ``step(opt_state, params,
+    batch) -> (loss, params, opt_state)``, jitted with the optimizer state and
+    the parameters donated."""
+    grads = jaxaccum.value_and_grad(task.loss, num)
+    step, _, donate = train_step(grads, (task.params, None), optimizer, 0)
+    return jax.jit(step, donate_argnums=donate)
+
+
+def _memory(task: _models.Task, args: argparse.Namespace, num: int):
+    """The planner's row for ``N = num``: the same measurement, the same step."""
+    return measure(
+        task.loss,
+        (task.params, batch_shapes(task, args.batch_size)),
+        num,
+        args.batch_size,
+        jaxaccum.parse_memory_budget(args.memory_budget),
+        optax.adam(args.learning_rate),
+        AccumOptions(num),
+    )
+
+
+def _copy(tree: Any) -> Any:
+    """A copy to donate, so that the task's own arrays stay valid."""
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _plan(task: _models.Task, args: argparse.Namespace) -> jaxaccum.MemoryPlan:
+    return jaxaccum.plan(
+        task.loss,
+        task.params,
+        batch_shapes(task, args.batch_size),
+        memory_budget=args.memory_budget,
+        optimizer=optax.adam(args.learning_rate),
+    )
+
+
+def _rows_for(task, args, memory_plan, numbers: Sequence[int]) -> dict:
+    """The plan's rows for ``numbers``, measuring those it did not compile."""
+    rows = {row.num_microbatches: row for row in memory_plan.rows}
+    return {num: rows.get(num) or _memory(task, args, num) for num in numbers}
+
+
+def demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the demo; returns its summary (also written as summary.json)."""
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = demo_task(args)
+    console.rule("[bold]jaxaccum demo")
+    console.print(
+        f"Model {task.name}, synthetic teacher-labelled data, effective batch "
+        f"{args.batch_size}, Adam, memory budget {args.memory_budget}."
+    )
+    memory_plan = _plan(task, args)
+    num = args.num_microbatches or memory_plan.num_microbatches
+    rows = _rows_for(task, args, memory_plan, (1, num))
+    _print_plan(memory_plan, rows[1], num, args.batch_size)
+    first_batch = task.make_batch(jax.random.key(args.seed), args.batch_size)
+    _prove(task, first_batch, num)
+    comparison = _compare(task, first_batch, num, args, rows)
+    losses = {name: _train(task, n, args) for name, n in _contenders(num).items()}
+    png = out / "loss.png"
+    _plot_losses(
+        losses,
+        png,
+        f"{task.name}, batch {args.batch_size} = {args.batch_size // num} x {num}",
+        num,
+    )
+    summary = {
+        "model": task.name,
+        "batch_size": args.batch_size,
+        "num_microbatches": num,
+        "memory_budget_bytes": memory_plan.memory_budget,
+        "plan": [row.__dict__ for row in memory_plan.rows],
+        "losses": losses["jaxaccum"],
+        "full_batch_losses": losses["full_batch"],
+        "comparison": comparison,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    gap = max(abs(a - b) for a, b in zip(*losses.values(), strict=True))
+    console.print(
+        f"Loss {losses['jaxaccum'][0]:.3f} -> {losses['jaxaccum'][-1]:.3f} over "
+        f"{len(losses['jaxaccum'])} steps; largest gap to the full-batch curve "
+        f"{gap:.2e}. Wrote {png} and {out / 'summary.json'}."
+    )
+    return summary
+
+
+def _contenders(num: int) -> dict[str, int]:
+    """The demo's two steps by name, and their number of micro-batches."""
+    return {"full_batch": 1, "jaxaccum": num}
+
+
+def _print_plan(memory_plan, full_row, num: int, batch_size: int) -> None:
+    console.print(str(memory_plan))
+    if not full_row.fits:
+        console.print(
+            f"The full-batch step needs {format_bytes(full_row.total_bytes)}, over "
+            f"the budget: accumulating over N={num} micro-batches of "
+            f"{batch_size // num} instead."
+        )
+    console.print(f"Effective batch = {batch_size // num} x {num} = {batch_size}.")
+
+
+def _prove(task: _models.Task, batch: Any, num: int) -> None:
+    jaxaccum.testing.assert_grads_match_full_batch(
+        task.loss,
+        task.params,
+        batch,
+        num_microbatches=num,
+        rtol=DEMO_RTOL,
+        atol=DEMO_ATOL,
+    )
+    console.print(
+        f"[green]Equivalence proven:[/] the accumulated gradient of the first "
+        f"batch equals the full-batch gradient (rtol={DEMO_RTOL}, atol={DEMO_ATOL})."
+    )
+
+
+def _compare(task, batch, num, args, rows) -> dict[str, dict[str, float]]:
+    """Gradient error, compiled memory and step time: full batch vs jaxaccum."""
+    full_grads = jax.jit(jax.grad(task.loss))(task.params, batch)
+    results = {}
+    for name, n in _contenders(num).items():
+        grads = jax.jit(jaxaccum.grad(task.loss, n))(task.params, batch)
+        errors = jaxaccum.testing.leaf_errors(grads, full_grads)
+        results[name] = {
+            "max_grad_error": max(error[1] for error in errors),
+            "temp_bytes": rows[n].temp_bytes,
+            "total_bytes": rows[n].total_bytes,
+            "step_seconds": _step_seconds(task, batch, n, args),
+        }
+    table = Table(title="Full batch vs accumulated (one Adam step)")
+    for column in ("", "full batch", f"jaxaccum N={num}"):
+        table.add_column(column, justify="right")
+    for label, key, fmt in (
+        ("max |grad error| vs full batch", "max_grad_error", "{:.2e}"),
+        ("compiled temp memory (as planned)", "temp_bytes", None),
+        ("compiled total memory (as planned)", "total_bytes", None),
+        ("time per train step (median)", "step_seconds", "{:.3f} s"),
+    ):
+        cells = [results[name][key] for name in ("full_batch", "jaxaccum")]
+        table.add_row(
+            label, *(fmt.format(c) if fmt else format_bytes(c) for c in cells)
+        )
+    console.print(table)
+    console.print(
+        "Memory: XLA's compiled account of the train step (gradients + Adam "
+        "update, parameters and optimizer state donated): temporaries, and "
+        "arguments + outputs + temporaries - donated. Time: the same step, "
+        "median of the repeats after a warm-up."
+    )
+    return results
+
+
+def _step_seconds(task, batch, num: int, args: argparse.Namespace) -> float:
+    """Median seconds of the donated train step, fed its own outputs."""
+    optimizer = optax.adam(args.learning_rate)
+    step = _jitted_train_step(task, num, optimizer)
+    opt_state, params = optimizer.init(task.params), _copy(task.params)
+
+    def run() -> None:
+        nonlocal opt_state, params
+        _, params, opt_state = step(opt_state, params, batch)
+        jax.block_until_ready(params)
+
+    run()  # compile and warm up
+    return float(np.median(timeit.repeat(run, number=1, repeat=args.repeats)))
+
+
+def _train(task: _models.Task, num: int, args: argparse.Namespace) -> list[float]:
+    optimizer = optax.adam(args.learning_rate)
+    step = _jitted_train_step(task, num, optimizer)
+    opt_state, params = optimizer.init(task.params), _copy(task.params)
+    losses: list[float] = []
+    data_key = jax.random.key(args.seed + 1)
+    label = "full batch" if num == 1 else f"N={num}"
+    with Progress(
+        TextColumn(f"training ({label})"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}  {task.fields[speed]}"),
+        console=console,
+        disable=args.quiet,
+    ) as progress:
+        bar = progress.add_task("train", total=args.steps, loss="-", speed="")
+        start = time.perf_counter()
+        for index in range(args.steps):
+            batch = task.make_batch(
+                jax.random.fold_in(data_key, index), args.batch_size
+            )
+            loss, params, opt_state = step(opt_state, params, batch)
+            losses.append(float(loss))
+            speed = (index + 1) * args.batch_size / (time.perf_counter() - start)
+            progress.update(
+                bar,
+                advance=1,
+                loss=f"{losses[-1]:.4f}",
+                speed=f"{speed:,.0f} examples/s",
+            )
+    return losses
+
+
+def _plot_losses(
+    losses: dict[str, list[float]], path: pathlib.Path, title: str, num: int
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    steps = np.arange(1, len(losses["full_batch"]) + 1)
+    axis.plot(steps, losses["full_batch"], color="k", lw=3, alpha=0.35)
+    axis.plot(steps, losses["jaxaccum"], color="C1", lw=1.2, ls="--")
+    axis.legend(["full batch, one step", f"jaxaccum, N={num} micro-batches"])
+    axis.set(xlabel="optimizer step (one window)", ylabel="training loss", title=title)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

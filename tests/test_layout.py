@@ -1,0 +1,148 @@
+"""The library a training stack imports: its surface, its imports, its options."""
+
+import ast
+import inspect
+import pathlib
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxaccum
+from jaxaccum import _options
+
+PACKAGE = pathlib.Path(jaxaccum.__file__).parent
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_import_jaxaccum_loads_none_of_the_extras_nor_chex():
+    result = _run(
+        """
+        import sys
+        import jax.numpy as jnp
+        import jaxaccum
+        step = jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2)
+        value, grads = step(jnp.ones(3), jnp.ones((4, 3)))
+        assert float(value) == 3.0, value
+        heavy = ["flax", "matplotlib", "rich", "chex", "equinox", "orbax"]
+        print(sorted(name for name in heavy if name in sys.modules))
+        jaxaccum.testing.assert_grads_match_full_batch(
+            lambda w, x: jnp.mean(x @ w), jnp.ones(3), jnp.ones((4, 3)),
+            num_microbatches=2)
+        print("chex" in sys.modules)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    loaded, chex_after_testing = result.stdout.split()
+    assert loaded == "[]", f"import jaxaccum loaded {loaded}"
+    assert chex_after_testing == "True"
+
+
+@pytest.mark.parametrize(
+    "module, extra", [("jaxaccum.flax", "flax"), ("jaxaccum.cli", "cli")]
+)
+def test_a_missing_extra_names_the_install_command(module, extra):
+    result = _run(
+        f"""
+        import sys
+        sys.modules["flax"] = None  # as if Flax were not installed
+        try:
+            import {module}
+        except ImportError as error:
+            print(error)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert f'pip install "jaxaccum[{extra}]"' in result.stdout
+
+
+def test_no_module_is_named_like_a_public_function():
+    modules = {info.name for info in pkgutil.iter_modules([str(PACKAGE)])}
+    public_modules = {name for name in modules if not name.startswith("_")}
+    assert public_modules == {"testing", "flax", "cli"}
+    assert not (public_modules - {"testing"}) & set(jaxaccum.__all__)
+    for name in jaxaccum.__all__:
+        assert not inspect.ismodule(getattr(jaxaccum, name)) or name == "testing"
+
+
+def test_no_module_imports_another_modules_private_names():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "jaxaccum"
+            ):
+                offenders += [
+                    f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_")
+                    and alias.name != "__version__"
+                    # a private module is imported whole; its names are not
+                    and not (PACKAGE / f"{alias.name}.py").exists()
+                    and not (PACKAGE / "cli" / f"{alias.name}.py").exists()
+                ]
+    assert not offenders, offenders
+
+
+def test_init_only_re_exports():
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    defined = [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+    ]
+    assert defined == ["__getattr__"]  # the lazy jaxaccum.testing, nothing else
+    assert jaxaccum.__version__ == "0.1.0"
+
+
+def test_grad_has_value_and_grads_explicit_keywords():
+    grad_parameters = inspect.signature(jaxaccum.grad).parameters
+    assert grad_parameters == inspect.signature(jaxaccum.value_and_grad).parameters
+    assert "kwargs" not in grad_parameters and "keywords" not in grad_parameters
+    loss = lambda w, x: jnp.mean(x @ w)  # noqa: E731
+    with pytest.raises(TypeError, match="rduction"):
+        jaxaccum.grad(loss, 2, rduction="sum")
+    with pytest.raises(TypeError, match="data_axes"):  # an option, not a keyword
+        jaxaccum.grad(loss, 2, data_axes=("data",))
+
+
+def test_options_are_one_frozen_object_whose_allowed_values_are_derived():
+    fields = {
+        field.name for field in _options.dataclasses.fields(_options.AccumOptions)
+    }
+    keywords = set(inspect.signature(jaxaccum.value_and_grad).parameters) - {"fun"}
+    assert keywords <= fields and fields - keywords == {"data_axes"}
+    defaults = {
+        f.name: f.default for f in _options.dataclasses.fields(_options.AccumOptions)
+    }
+    for name, parameter in inspect.signature(
+        jaxaccum.value_and_grad
+    ).parameters.items():
+        if name != "fun":
+            assert parameter.default == defaults[name], name
+    assert _options.REDUCTIONS == ("mean", "sum", "weighted")
+    assert "concat" in _options.AUX_REDUCTIONS
+    options = _options.AccumOptions(4)
+    with pytest.raises(_options.dataclasses.FrozenInstanceError):
+        options.num_microbatches = 2  # type: ignore[misc]
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        _options.AccumOptions(4, reduction="median")  # type: ignore[arg-type]
+
+
+def test_microbatches_are_named_in_the_compiled_program():
+    step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 4))
+    hlo = step.lower(jnp.ones(3), jnp.ones((8, 3))).compile().as_text()
+    assert "jaxaccum_microbatch" in hlo  # profiler traces name the micro-batches
