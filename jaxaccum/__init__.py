@@ -13,6 +13,10 @@ from jaxaccum._hlo import count_collectives as count_collectives
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._multisteps import accumulate as accumulate
+from jaxaccum._noise_scale import NoiseEstimates as NoiseEstimates
+from jaxaccum._noise_scale import NoiseScaleEMA as NoiseScaleEMA
+from jaxaccum._noise_scale import NoiseScaleState as NoiseScaleState
+from jaxaccum._noise_scale import WindowStats as WindowStats
 from jaxaccum._plan import MemoryPlan as MemoryPlan
 from jaxaccum._plan import MemoryPlanRow as MemoryPlanRow
 from jaxaccum._plan import parse_memory_budget as parse_memory_budget
@@ -36,6 +40,9 @@ __all__ = [
     "MemoryPlanRow",
     "MultiSteps",
     "MultiStepsState",
+    "NoiseEstimates",
+    "NoiseScaleEMA",
+    "NoiseScaleState",
     "accumulate",
     "count_collectives",
     "grad",
@@ -47,6 +54,7 @@ __all__ = [
     "split_batch",
     "testing",
     "value_and_grad",
+    "WindowStats",
 ]
 
 

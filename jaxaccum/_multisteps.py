@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxaccum._noise_scale import NoiseEstimates, estimate
 from jaxaccum._reduce import divide_by_total_weight
 
 EveryKSchedule = int | Callable[[jax.Array], jax.typing.ArrayLike]
@@ -44,6 +45,9 @@ class MultiStepsState(NamedTuple):
         (monitoring information), ``()`` without one.
       acc_weight: float32 scalar, the window's total weight (the number of
         accepted calls when no ``weight`` is passed); reset like ``acc_grads``.
+      acc_sq_norm: with ``track_noise_scale``, float32 scalar, the window's sum
+        of ``weight * |gradient|^2`` over calls (reset like ``acc_grads``);
+        ``()`` without.
     """
 
     mini_step: jax.typing.ArrayLike
@@ -52,6 +56,7 @@ class MultiStepsState(NamedTuple):
     acc_grads: Any
     skip_state: Any = ()
     acc_weight: jax.typing.ArrayLike = 0.0
+    acc_sq_norm: Any = ()
 
 
 def _never_skip(
@@ -147,6 +152,7 @@ class MultiSteps:
         use_grad_mean: bool = True,
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
+        track_noise_scale: bool = False,
     ):
         """Initializer.
 
@@ -167,6 +173,10 @@ class MultiSteps:
           accumulator_dtype: dtype of ``acc_grads``; float32 by default, so that
             bfloat16 / float16 gradients are summed in float32. None uses the
             params' dtype.
+          track_noise_scale: keep one more float32 scalar in the state, the
+            window's sum of squared call-gradient norms, from which
+            :meth:`noise_estimates` gives the gradient noise scale after each
+            emitting call.
         """
         if not callable(every_k_schedule):
             if isinstance(every_k_schedule, bool) or not isinstance(
@@ -187,6 +197,7 @@ class MultiSteps:
         self._use_grad_mean = use_grad_mean
         self._should_skip_update_fn = should_skip_update_fn or _never_skip
         self._accumulator_dtype = accumulator_dtype
+        self._track_noise_scale = track_noise_scale
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -218,6 +229,7 @@ class MultiSteps:
             acc_grads=optax.tree.zeros_like(params, dtype=self._accumulator_dtype),
             skip_state=skip_state,
             acc_weight=jnp.zeros([], jnp.float32),
+            acc_sq_norm=jnp.zeros([], jnp.float32) if self._track_noise_scale else (),
         )
 
     def update(
@@ -264,6 +276,12 @@ class MultiSteps:
         acc_weight = add_to_window(
             jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
         )
+        acc_sq_norm = state.acc_sq_norm
+        if self._track_noise_scale:
+            sq_norm = optax.tree.norm(
+                jax.tree.map(lambda g: g.astype(jnp.float32), updates), squared=True
+            )
+            acc_sq_norm = add_to_window(jnp.asarray(acc_sq_norm), sq_norm)
 
         def emit_window(acc_grads, inner_opt_state):
             return self._emit(
@@ -291,6 +309,7 @@ class MultiSteps:
             acc_grads=acc_grads,
             skip_state=skip_state,
             acc_weight=acc_weight,
+            acc_sq_norm=acc_sq_norm,
         )
         return new_updates, new_state
 
@@ -353,6 +372,46 @@ class MultiSteps:
         """
         return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
+    def noise_estimates(self, state: MultiStepsState) -> NoiseEstimates:
+        """The gradient noise scale of the window the last call emitted.
+
+        Needs ``track_noise_scale=True``. Right after an emitting call
+        (:meth:`has_updated`) the state still holds the window's sums: the
+        ``N`` calls' gradients ``g_k`` (means over their micro-batches, of
+        weight ``w_k``: ``weight=``, or 1 per call) and their squared norms
+        give the estimates of :class:`jaxaccum.WindowStats` with ``b = W / N``
+        and ``B = W`` in the units of ``weight`` (pass ``weight=`` the
+        micro-batch's examples or tokens to get ``noise_scale`` in those;
+        without it, it counts calls). NaN on other calls.
+
+        Args:
+          state: the state an emitting call returned.
+
+        Returns:
+          :class:`jaxaccum.NoiseEstimates`: ``gradient_norm_sq``,
+          ``gradient_noise_trace`` and ``noise_scale``; fold them into a
+          :class:`jaxaccum.NoiseScaleEMA`.
+        """
+        if not self._track_noise_scale:
+            raise ValueError(
+                "noise_estimates needs the window's squared norms: build "
+                "MultiSteps(..., track_noise_scale=True)."
+            )
+        total = jnp.asarray(state.acc_weight, jnp.float32)
+        safe_total = jnp.where(total > 0, total, 1.0)
+        window_grad = jax.tree.map(lambda g: g / safe_total, state.acc_grads)
+        calls = self._every_k(jnp.maximum(state.gradient_step - 1, 0))
+        estimates = estimate(
+            jnp.asarray(state.acc_sq_norm) / safe_total,
+            optax.tree.norm(window_grad, squared=True).astype(jnp.float32),
+            total / jnp.asarray(calls, jnp.float32),
+            total,
+        )
+        nan = jnp.full((), jnp.nan, jnp.float32)
+        return jax.tree.map(
+            lambda x: jnp.where(self.has_updated(state), x, nan), estimates
+        )
+
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """Returns this wrapper as an ``optax.GradientTransformationExtraArgs``."""
         return optax.GradientTransformationExtraArgs(self.init, self.update)
@@ -365,6 +424,7 @@ def accumulate(
     use_grad_mean: bool = True,
     should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
     accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    track_noise_scale: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``opt`` to step once per ``every_k`` calls; functional `MultiSteps`.
 
@@ -374,6 +434,8 @@ def accumulate(
       use_grad_mean: emit the window's (weighted) mean if True, else its sum.
       should_skip_update_fn: optional, e.g. ``optax.skip_not_finite``.
       accumulator_dtype: dtype of the accumulator, float32 by default.
+      track_noise_scale: keep the window's squared gradient norms (see
+        :meth:`MultiSteps.noise_estimates`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -397,4 +459,5 @@ def accumulate(
         use_grad_mean=use_grad_mean,
         should_skip_update_fn=should_skip_update_fn,
         accumulator_dtype=accumulator_dtype,
+        track_noise_scale=track_noise_scale,
     ).gradient_transformation()

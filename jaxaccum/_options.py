@@ -68,6 +68,7 @@ class AccumOptions:
       unroll: passed to ``jax.lax.scan``.
       remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
       report_finite: also return a :class:`jaxaccum.FiniteReport`.
+      report_stats: also return a :class:`jaxaccum.WindowStats`.
       data_axes: manual mesh axes the batch is split over (``shard_map``):
         each device accumulates its rows, reduced once after the loop.
     """
@@ -86,6 +87,7 @@ class AccumOptions:
     unroll: int | bool = 1
     remat: bool | Callable[..., Any] = False
     report_finite: bool = False
+    report_stats: bool = False
     data_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -118,6 +120,12 @@ class AccumOptions:
                 "the micro-batches' real sizes unequal, so the mean of their means "
                 "is not the batch mean. Return (loss_sum, weight) from fun, with "
                 "example_mask applied to both, and use reduction='weighted'."
+            )
+        if self.report_finite and self.report_stats:
+            raise ValueError(
+                "report_stats already holds the finite flags of report_finite "
+                "(WindowStats.microbatch_finite and .finite); pass report_stats "
+                "alone."
             )
         self._check_roles()
 
@@ -167,6 +175,11 @@ class AccumOptions:
     def all_nums(self) -> tuple[int, ...]:
         """Every argument number with a role, in role order."""
         return sum(self.roles.values(), ())
+
+    @property
+    def reports(self) -> bool:
+        """Whether the accumulated function returns ``(out, report)``."""
+        return self.report_finite or self.report_stats
 
     @property
     def full_batch(self) -> "AccumOptions":

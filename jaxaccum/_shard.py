@@ -121,6 +121,7 @@ def shard_value_and_grad(
     pad: bool = False,
     unroll: int | bool = 1,
     remat: bool | Callable[..., Any] = False,
+    report_stats: bool = False,
 ) -> Callable[..., Any]:
     """:func:`jaxaccum.value_and_grad` with one gradient all-reduce per window.
 
@@ -180,11 +181,14 @@ def shard_value_and_grad(
       pad: as for :func:`jaxaccum.value_and_grad`, per device.
       unroll: passed to ``jax.lax.scan``.
       remat: as for :func:`jaxaccum.value_and_grad`.
+      report_stats: also return a :class:`jaxaccum.WindowStats`; the
+        micro-batch norms are each device's local ones (``b = B / (N D)``),
+        taken before the one deferred reduction.
 
     Returns:
       A function with ``fun``'s positional signature returning ``(value,
-      grads)`` (``((value, aux), grads)`` with ``has_aux``), replicated over
-      ``data_axis``.
+      grads)`` (``((value, aux), grads)`` with ``has_aux``; with
+      ``report_stats``, ``(that, stats)``), replicated over ``data_axis``.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np

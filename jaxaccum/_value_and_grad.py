@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import _split
+from jaxaccum._noise_scale import window_stats
 from jaxaccum._options import (
     AccumOptions,
     ArgNums,
@@ -22,7 +23,6 @@ from jaxaccum._window import (
     MicroResult,
     Window,
     WindowOut,
-    all_finite,
 )
 
 _P = ParamSpec("_P")
@@ -46,6 +46,7 @@ def value_and_grad(
     unroll: int | bool = 1,
     remat: bool | Callable[..., Any] = False,
     report_finite: bool = False,
+    report_stats: bool = False,
 ) -> Callable[..., Any]:
     """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
 
@@ -119,12 +120,17 @@ def value_and_grad(
         such as ``jax.checkpoint_policies.dots_saveable`` is used as the policy.
       report_finite: also return a :class:`FiniteReport` saying which
         micro-batches had a non-finite loss or gradient.
+      report_stats: also return a :class:`WindowStats`: each micro-batch's
+        and the window's gradient squared norm, and from them the gradient
+        noise scale (is a bigger batch worth it?), with the finite flags of
+        ``report_finite``. Costs one squared norm per micro-batch.
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``, or
       ``((value, aux), grads)`` with ``has_aux``; with ``state_argnums``, that
       result and the new state: ``(result, new_state)``; with
-      ``report_finite``, all that and the report: ``(out, report)``. ``grads``
+      ``report_finite`` (``report_stats``), all that and the
+      :class:`FiniteReport` (:class:`WindowStats`): ``(out, report)``. ``grads``
       has the structure of ``args[argnums]`` (a tuple of them if ``argnums``
       is a sequence).
 
@@ -147,7 +153,7 @@ def value_and_grad(
     return make_accumulated(fun, AccumOptions.from_arguments(locals()))
 
 
-def _signature_of(
+def signature_of(
     source: Callable[_P, Any],
 ) -> Callable[[Callable[..., _R]], Callable[_P, _R]]:
     """Gives the decorated function ``source``'s signature, for ``help``, IDEs
@@ -160,7 +166,7 @@ def _signature_of(
     return decorate
 
 
-@_signature_of(value_and_grad)
+@signature_of(value_and_grad)
 def grad(
     fun: Callable[..., Any], num_microbatches: int | None = None, **keywords: Any
 ) -> Callable[..., Any]:
@@ -183,7 +189,14 @@ def grad(
         fun, num_microbatches, **keywords
     )
     options = AccumOptions.from_arguments(arguments.arguments)
-    value_and_grad_fun = make_accumulated(fun, options)
+    return grads_only(make_accumulated(fun, options), options)
+
+
+def grads_only(
+    value_and_grad_fun: Callable[..., Any], options: AccumOptions
+) -> Callable[..., Any]:
+    """``value_and_grad_fun`` returning what ``jax.grad`` would: the gradients
+    (``(grads, aux)`` with ``has_aux``), then the new state and the report."""
 
     def only_grads(out):
         result, new_state = out if options.state_nums else (out, None)
@@ -191,7 +204,7 @@ def grad(
         grads = (grads, value_or_pair[1]) if options.has_aux else grads
         return (grads, new_state) if options.state_nums else grads
 
-    @functools.wraps(fun)
+    @functools.wraps(value_and_grad_fun)
     def grad_fun(*args: Any, **call_kwargs: Any) -> Any:
         out = value_and_grad_fun(*args, **call_kwargs)
         if options.report_finite:
@@ -412,8 +425,12 @@ def _single(
     result = micro(*inputs)
     window = _window(jax.eval_shape(lambda: result), inputs, options, split)
     sums, stacked = window.add(window.zeros(), result)
-    value, aux, grads = window.result(sums, [x[None] for x in stacked])
-    return WindowOut(value, aux, grads, result.out.new_state, all_finite(result)[None])
+    micro_stats = window.micro_stats(result, inputs.example_mask)
+    return WindowOut(
+        window.result(sums, [x[None] for x in stacked]),
+        result.out.new_state,
+        jax.tree.map(lambda x: x[None], micro_stats),
+    )
 
 
 def _scan(
@@ -443,30 +460,38 @@ def _scan(
 
     def body(carry, xs):
         sums, state = carry
-        result = micro_at(*xs, state)
+        index, micro_keys = xs
+        result = micro_at(index, micro_keys, state)
         sums, stacked = window.add(sums, result)
-        return (sums, result.out.new_state), (stacked, all_finite(result))
+        mask = None if mask_view is None else _split.take_microbatch(mask_view, index)
+        micro_stats = window.micro_stats(result, mask)
+        return (sums, result.out.new_state), (stacked, micro_stats)
 
-    (sums, state), (stacked, microbatch_finite) = lax.scan(
+    (sums, state), (stacked, micro_stats) = lax.scan(
         body,
         (window.zeros(), inputs.state),
         (jnp.arange(num), keys),
         unroll=options.unroll,
     )
-    value, aux, grads = window.result(sums, stacked)
-    return WindowOut(value, aux, grads, state, microbatch_finite)
+    return WindowOut(window.result(sums, stacked), state, micro_stats)
 
 
 def _package(out: WindowOut, options: AccumOptions) -> Any:
     """The window's result in the layout ``value_and_grad`` documents."""
-    grads = out.grads[0] if isinstance(options.argnums, int) else out.grads
-    result = ((out.value, out.aux), grads) if options.has_aux else (out.value, grads)
+    value, aux, grads, grad_sq_norm = out.result
+    grads = grads[0] if isinstance(options.argnums, int) else grads
+    result = ((value, aux), grads) if options.has_aux else (value, grads)
     if options.state_nums:
         new_state = out.new_state
         if isinstance(options.state_argnums, int):
             new_state = new_state[0]
         result = result, new_state
+    if options.report_stats:
+        stats = window_stats(
+            out.micro, grad_sq_norm, options.reduction, options.data_axes
+        )
+        return result, stats
     if options.report_finite:
-        finite = out.microbatch_finite
+        finite = out.micro.finite
         return result, FiniteReport(finite, jnp.all(finite))
     return result

@@ -10,8 +10,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
+from jaxaccum._noise_scale import MicroStats
 from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._split import Split, explicit_sharding
@@ -264,8 +266,25 @@ class Window:
             aux_carry,
         ), stacked
 
-    def result(self, sums: Sums, stacked: list) -> tuple[Any, Any, Any]:
-        """Normalises the sums; returns (value, aux, grads) in their own dtypes.
+    def micro_stats(
+        self, result: MicroResult, example_mask: jax.Array | None
+    ) -> MicroStats:
+        """One micro-batch's finite flag (and, for ``report_stats``, its
+        gradient's squared norm and its weight), taken inside the scan."""
+        finite = all_finite(result)
+        if not self.options.report_stats:
+            return MicroStats(finite, (), ())
+        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), result.grads)
+        if self.options.reduction == "weighted":
+            weight = jnp.asarray(result.out.weight, jnp.float32)
+        elif example_mask is not None:
+            weight = jnp.sum(example_mask, dtype=jnp.float32)
+        else:
+            weight = jnp.float32(self.split.microbatch_size)
+        return MicroStats(finite, optax.tree.norm(grads, squared=True), weight)
+
+    def result(self, sums: Sums, stacked: list) -> "WindowResult":
+        """Normalises the sums; the value, aux and grads in their own dtypes.
 
         ``stacked`` holds the stacked and concatenated aux leaves, each with a
         leading micro-batch axis.
@@ -284,6 +303,11 @@ class Window:
             value, grads = jax.tree.map(lambda total: total / num_means, totals)
         else:
             value, grads = totals
+        grad_sq_norm = None
+        if self.options.report_stats:
+            grad_sq_norm = optax.tree.norm(
+                jax.tree.map(lambda g: g.astype(jnp.float32), grads), squared=True
+            )
         value, grads = jax.tree.map(
             lambda x, aval: x.astype(aval.dtype),
             (value, grads),
@@ -292,22 +316,29 @@ class Window:
         aux = self.aux_plan.finalize(
             sums.aux, stacked, num_means, self.split.batch_size
         )
-        return value, aux, grads
+        return WindowResult(value, aux, grads, grad_sq_norm)
 
 
-class WindowOut(NamedTuple):
-    """A window's normalised results, before they are laid out for the caller.
-
-    Attributes:
-      value: the loss.
-      aux: the reduced aux output (``()`` without ``has_aux``).
-      grads: a tuple of gradients, one per differentiated argument.
-      new_state: a tuple, the new value of each state argument.
-      microbatch_finite: bool ``(N,)``, see :class:`FiniteReport`.
-    """
+class WindowResult(NamedTuple):
+    """A window's normalised value, aux and gradients (tuples, one per
+    differentiated argument), and for ``report_stats`` the float32 squared
+    norm of the gradient before it is cast back (else None)."""
 
     value: Any
     aux: Any
     grads: Any
+    grad_sq_norm: jax.Array | None
+
+
+class WindowOut(NamedTuple):
+    """A window's results, before they are laid out for the caller.
+
+    Attributes:
+      result: the normalised value, aux and gradients.
+      new_state: a tuple, the new value of each state argument.
+      micro: the :class:`MicroStats` of every micro-batch, stacked.
+    """
+
+    result: WindowResult
     new_state: tuple
-    microbatch_finite: jax.Array
+    micro: MicroStats

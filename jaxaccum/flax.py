@@ -113,7 +113,8 @@ def linen_value_and_grad(
       ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``), where
       ``grads`` is like ``variables["params"]``; with ``mutable``,
       ``(that, updates)``, ``updates`` holding the ``mutable`` collections after
-      the window, as ``apply`` returns them.
+      the window, as ``apply`` returns them; with ``report_finite`` or
+      ``report_stats``, ``(all that, report)``.
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -313,7 +314,9 @@ def linen_train_step(
 
     Returns:
       ``step(state, batch, *args, rngs=None, **kwargs) -> (new_state, loss)``
-      (``(new_state, (loss, aux))`` with ``has_aux``). Wrap it in ``jax.jit``.
+      (``(new_state, (loss, aux))`` with ``has_aux``; with ``report_finite``
+      or ``report_stats``, the report last: ``(new_state, loss, report)``).
+      Wrap it in ``jax.jit``.
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, optax
@@ -336,6 +339,7 @@ def linen_train_step(
       1
     """
     collections = _collection_names(mutable)
+    reports = AccumOptions(num_microbatches, **value_and_grad_kwargs).reports
     accumulate = linen_value_and_grad(
         fun,
         num_microbatches,
@@ -361,11 +365,13 @@ def linen_train_step(
         variables = {"params": state.params}
         variables.update({name: getattr(state, name) for name in collections})
         result = accumulate(variables, batch, *args, rngs=rngs, **kwargs)
+        result, report = result if reports else (result, None)
         updates = {}
         if collections:
             result, updates = result
         loss, grads = result
-        return state.apply_gradients(grads=grads, **updates), loss
+        new_state = state.apply_gradients(grads=grads, **updates)
+        return (new_state, loss) if report is None else (new_state, loss, report)
 
     return step
 
@@ -412,8 +418,9 @@ def nnx_value_and_grad(
       ``accumulated(model, batch, *args, **kwargs)`` returning ``(loss,
       grads)`` (``((loss, aux), grads)`` with ``has_aux``), ``grads`` an
       ``nnx.State`` of the ``wrt`` Variables, ready for
-      ``optimizer.update(model, grads)``. The model's other state is updated
-      in place.
+      ``optimizer.update(model, grads)``; with ``report_finite`` or
+      ``report_stats``, ``(that, report)``. The model's other state is
+      updated in place.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -449,11 +456,13 @@ def nnx_value_and_grad(
     def accumulated(model: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         _check_no_graph_nodes(args)
         micro_loss, params, state = _nnx_loss(fun, model, wrt)
-        result, new_state = make_accumulated(micro_loss, options)(
+        out = make_accumulated(micro_loss, options)(
             params, state, batch, *args, **kwargs
         )
+        out, report = out if options.reports else (out, None)
+        result, new_state = out
         nnx.update(model, new_state)
-        return result
+        return result if report is None else (result, report)
 
     return accumulated
 

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import classification_batch, mlp_apply, mlp_loss, mlp_params
+from noise_population import assert_unbiased, loss_for, population, sample, truth
 
 import jaxaccum
 
@@ -39,6 +40,8 @@ CHECKS = [
     "contiguous_split_moves_rows",
     "deferred_keys_differ_per_device",
     "deferred_pad_weighted",
+    "deferred_noise_scale_mean",
+    "deferred_noise_scale_weighted",
 ]
 
 
@@ -270,7 +273,35 @@ def check_deferred_pad():
     return "matches"
 
 
+def check_deferred_noise_scale(reduction):
+    """Per-device micro-batch norms (b = B / (N D) = 2 rows), one reduction:
+    the estimates average to the population's |G|^2 and tr(Sigma)."""
+    mesh = make_mesh("auto")
+    x, y = population()
+    w = jnp.zeros(x.shape[1])
+    loss, options = loss_for(reduction)
+    step = jaxaccum.shard_value_and_grad(
+        loss, NUM_MICROBATCHES, mesh=mesh, report_stats=True, **options
+    )
+
+    def window(key):
+        return step(w, *sample(key, x, y, BATCH_SIZE, reduction))[1]
+
+    stats = jax.jit(lambda keys: jax.lax.map(window, keys))(
+        jax.random.split(jax.random.key(1), 600)
+    )
+    norm_sq, trace = truth(w, x, y)
+    assert_unbiased(stats.gradient_norm_sq, norm_sq, "|G|^2")
+    assert_unbiased(stats.gradient_noise_trace, trace, "tr(Sigma)")
+    np.testing.assert_allclose(stats.small_batch.sum(axis=1), stats.big_batch)
+    if reduction == "mean":
+        np.testing.assert_array_equal(stats.big_batch, BATCH_SIZE)
+    return f"unbiased over {stats.big_batch.shape[0]} windows"
+
+
 def run(name):
+    if name.startswith("deferred_noise_scale_"):
+        return check_deferred_noise_scale(name.rsplit("_", 1)[1])
     if name == "model_sharded_params_auto":
         return check_model_sharded_params()
     if name == "explicit_indivisible_split_is_an_error":

@@ -52,13 +52,18 @@ def test_import_jaxaccum_loads_none_of_the_extras_nor_chex():
 
 
 @pytest.mark.parametrize(
-    "module, extra", [("jaxaccum.flax", "flax"), ("jaxaccum.cli", "cli")]
+    "module, extra, missing",
+    [
+        ("jaxaccum.flax", "flax", "flax"),
+        ("jaxaccum.equinox", "equinox", "equinox"),
+        ("jaxaccum.cli", "cli", "flax"),
+    ],
 )
-def test_a_missing_extra_names_the_install_command(module, extra):
+def test_a_missing_extra_names_the_install_command(module, extra, missing):
     result = _run(
         f"""
         import sys
-        sys.modules["flax"] = None  # as if Flax were not installed
+        sys.modules["{missing}"] = None  # as if it were not installed
         try:
             import {module}
         except ImportError as error:
@@ -72,7 +77,7 @@ def test_a_missing_extra_names_the_install_command(module, extra):
 def test_no_module_is_named_like_a_public_function():
     modules = {info.name for info in pkgutil.iter_modules([str(PACKAGE)])}
     public_modules = {name for name in modules if not name.startswith("_")}
-    assert public_modules == {"testing", "flax", "cli"}
+    assert public_modules == {"testing", "flax", "equinox", "cli"}
     assert not (public_modules - {"testing"}) & set(jaxaccum.__all__)
     for name in jaxaccum.__all__:
         assert not inspect.ismodule(getattr(jaxaccum, name)) or name == "testing"

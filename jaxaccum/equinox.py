@@ -1,0 +1,235 @@
+"""Equinox integration: filter-style accumulation for ``eqx.Module`` models.
+
+An ``eqx.Module`` holds leaves that are not arrays (activation functions,
+static ints), so it cannot be differentiated as it is; Equinox's answer is to
+differentiate its inexact-array leaves only (``eqx.filter_value_and_grad``).
+:func:`filter_value_and_grad` and :func:`filter_grad` do the same over
+micro-batches: the model is split with ``eqx.partition(model,
+eqx.is_inexact_array)``, its arrays are differentiated by
+:func:`jaxaccum.value_and_grad`'s core (strided split, float32 accumulation,
+weighted reduction, pad, remat, reports) and the rest is closed over, so the
+gradients come back as a pytree like the model with ``None`` where Equinox puts
+``None``.
+
+State (``eqx.nn.State``, e.g. BatchNorm's running statistics) named in
+``state_argnums`` is carried through the micro-batches in order, as ``N``
+sequential training-mode passes leave it: the semantics of the Flax helpers
+(see ``jaxaccum.flax`` on why BatchNorm cannot match the big batch). PRNG keys
+named in ``key_argnums`` are split per micro-batch.
+
+With :class:`jaxaccum.MultiSteps`, the usual Equinox pattern works unchanged:
+``optimizer.init(eqx.filter(model, eqx.is_array))``, then
+``optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))`` and
+``eqx.apply_updates(model, updates)``.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax.numpy as jnp
+
+try:
+    import equinox as eqx
+except ImportError as error:  # pragma: no cover - exercised in a core-only venv
+    raise ImportError(
+        "jaxaccum.equinox needs Equinox, which the core install leaves out: pip "
+        'install "jaxaccum[equinox]"'
+    ) from error
+
+from jaxaccum._options import (
+    AccumOptions,
+    ArgNums,
+    Reduction,
+    check_accepts_example_mask,
+)
+from jaxaccum._value_and_grad import grads_only, make_accumulated, signature_of
+
+if TYPE_CHECKING:
+    from jaxaccum._diagnose import Diagnosis
+
+__all__ = [
+    "filter_assert_grads_match_full_batch",
+    "filter_diagnose",
+    "filter_grad",
+    "filter_value_and_grad",
+]
+
+
+def _on_arrays(fun: Callable[..., Any], model: Any) -> tuple[Callable, Any]:
+    """``fun`` as a function of the model's inexact arrays, and those arrays."""
+    arrays, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def on_arrays(arrays: Any, *args: Any, **kwargs: Any) -> Any:
+        return fun(eqx.combine(arrays, static), *args, **kwargs)
+
+    return on_arrays, arrays
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any],
+    num_microbatches: int | None = None,
+    *,
+    microbatch_size: int | None = None,
+    batch_argnums: ArgNums = 1,
+    key_argnums: ArgNums = (),
+    state_argnums: ArgNums = (),
+    has_aux: bool = False,
+    reduction: Reduction = "mean",
+    aux_reduction: Any = "mean",
+    accum_dtype: Any = jnp.float32,
+    pad: bool = False,
+    unroll: int | bool = 1,
+    remat: bool | Callable[..., Any] = False,
+    report_finite: bool = False,
+    report_stats: bool = False,
+) -> Callable[..., Any]:
+    """``eqx.filter_value_and_grad`` over micro-batches.
+
+    Differentiates the inexact-array leaves of ``fun``'s first argument (the
+    model), as ``eqx.filter_value_and_grad`` does, with the batch split into
+    ``N`` strided micro-batches accumulated in one ``jax.lax.scan``
+    (:func:`jaxaccum.value_and_grad`). Every argument but the differentiated
+    one means what it means there.
+
+    Args:
+      fun: ``fun(model, *args, **kwargs)``, returning the loss (or ``(loss,
+        aux)`` with ``has_aux``, or ``(loss_sum, weight)`` with
+        ``reduction="weighted"``; with ``state_argnums``, that and the new
+        state).
+      num_microbatches: ``N``; or ``microbatch_size``.
+      microbatch_size: examples per micro-batch.
+      batch_argnums: positional argument(s) of ``fun`` holding the batch.
+      key_argnums: positional argument(s) holding PRNG keys, split per
+        micro-batch.
+      state_argnums: positional argument(s) holding state ``fun`` updates and
+        returns, such as an ``eqx.nn.State``; carried in order.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      reduction: ``"mean"``, ``"sum"`` or ``"weighted"``.
+      aux_reduction: how aux leaves combine over micro-batches.
+      accum_dtype: dtype float gradients accumulate in (at least).
+      pad: pad a batch ``N`` does not divide; ``fun`` gets ``example_mask=``.
+      unroll: passed to ``jax.lax.scan``.
+      remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
+      report_finite: also return a :class:`jaxaccum.FiniteReport`.
+      report_stats: also return a :class:`jaxaccum.WindowStats` (the gradient
+        noise scale).
+
+    Returns:
+      ``accumulated(model, *args, **kwargs)`` returning ``(value, grads)``
+      (``((value, aux), grads)`` with ``has_aux``), ``grads`` a pytree like the
+      model, ``None`` on leaves that are not inexact arrays; with
+      ``state_argnums``, ``(that, new_state)``; with ``report_finite`` or
+      ``report_stats``, ``(out, report)``. Use it under ``eqx.filter_jit``.
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp
+      >>> import jaxaccum.equinox
+      >>> model = eqx.nn.MLP(3, 1, width_size=8, depth=2, key=jax.random.key(0))
+      >>> def loss(model, x, y):
+      ...     return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
+      >>> x, y = jnp.ones((16, 3)), jnp.zeros(16)
+      >>> step = eqx.filter_jit(jaxaccum.equinox.filter_value_and_grad(
+      ...     loss, num_microbatches=4, batch_argnums=(1, 2)))
+      >>> value, grads = step(model, x, y)
+      >>> grads.layers[0].weight.shape, grads.activation
+      ((8, 3), None)
+    """
+    options = AccumOptions.from_arguments({**locals(), "argnums": 0})
+    if options.pad:
+        check_accepts_example_mask(fun)
+
+    @functools.wraps(fun)
+    def accumulated(model: Any, *args: Any, **kwargs: Any) -> Any:
+        on_arrays, arrays = _on_arrays(fun, model)
+        return make_accumulated(on_arrays, options)(arrays, *args, **kwargs)
+
+    return accumulated
+
+
+@signature_of(filter_value_and_grad)
+def filter_grad(
+    fun: Callable[..., Any], num_microbatches: int | None = None, **keywords: Any
+) -> Callable[..., Any]:
+    """``eqx.filter_grad`` over micro-batches: :func:`filter_value_and_grad`'s
+    gradients alone (``(grads, aux)`` with ``has_aux``, as ``eqx.filter_grad``
+    returns them). Its arguments are :func:`filter_value_and_grad`'s.
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp
+      >>> import jaxaccum.equinox
+      >>> model = eqx.nn.Linear(3, 1, key=jax.random.key(0))
+      >>> loss = lambda model, x: jnp.mean(jax.vmap(model)(x))
+      >>> grads = jaxaccum.equinox.filter_grad(loss, 2)(model, jnp.ones((4, 3)))
+      >>> grads.weight
+      Array([[1., 1., 1.]], dtype=float32)
+    """
+    value_and_grad_fun = filter_value_and_grad(fun, num_microbatches, **keywords)
+    options = AccumOptions(num_microbatches, argnums=0, **keywords)
+    return grads_only(value_and_grad_fun, options)
+
+
+def filter_assert_grads_match_full_batch(
+    fun: Callable[..., Any],
+    model: Any,
+    *args: Any,
+    num_microbatches: int | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **value_and_grad_kwargs: Any,
+) -> None:
+    """:func:`jaxaccum.testing.assert_grads_match_full_batch` for an Equinox
+    loss ``fun(model, *args)``: its inexact-array leaves are compared, named by
+    their path in the model (e.g. ``['grads'].layers[0].weight``).
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp
+      >>> import jaxaccum.equinox
+      >>> model = eqx.nn.MLP(3, 1, width_size=8, depth=2, key=jax.random.key(0))
+      >>> loss = lambda model, x: jnp.mean(jax.vmap(model)(x) ** 2)
+      >>> x = jax.random.normal(jax.random.key(1), (16, 3))
+      >>> jaxaccum.equinox.filter_assert_grads_match_full_batch(
+      ...     loss, model, x, num_microbatches=4)
+    """
+    from jaxaccum.testing import assert_grads_match_full_batch
+
+    on_arrays, arrays = _on_arrays(fun, model)
+    assert_grads_match_full_batch(
+        on_arrays,
+        arrays,
+        *args,
+        num_microbatches=num_microbatches,
+        rtol=rtol,
+        atol=atol,
+        **value_and_grad_kwargs,
+    )
+
+
+def filter_diagnose(
+    fun: Callable[..., Any],
+    model: Any,
+    *args: Any,
+    num_microbatches: int | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **value_and_grad_kwargs: Any,
+) -> "Diagnosis":
+    """:func:`jaxaccum.testing.diagnose` for an Equinox loss ``fun(model,
+    *args)``: names why accumulation differs from the full batch (BatchNorm,
+    a sum where a mean was meant, ...), leaves named by their path in the model.
+
+    Returns:
+      A :class:`jaxaccum.testing.Diagnosis`; ``print`` it for the report.
+    """
+    from jaxaccum.testing import diagnose
+
+    on_arrays, arrays = _on_arrays(fun, model)
+    return diagnose(
+        on_arrays,
+        arrays,
+        *args,
+        num_microbatches=num_microbatches,
+        rtol=rtol,
+        atol=atol,
+        **value_and_grad_kwargs,
+    )
