@@ -40,6 +40,7 @@ def test_demo_trains_proves_and_writes_files(tmp_path):
     assert summary["num_microbatches"] == 4 and len(summary["losses"]) == 20
     assert summary["losses"][-1] < summary["losses"][0], summary["losses"]
     assert summary["comparison"]["jaxaccum"]["max_grad_error"] < 1e-5
+    assert summary["noise_scale"] > 0, summary["noise_scale"]
     # The plot overlays two curves that training keeps together (float32
     # summation order is all that differs; 20 Adam steps amplify it to ~1e-6).
     gaps = [

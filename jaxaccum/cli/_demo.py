@@ -105,7 +105,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     first_batch = task.make_batch(jax.random.key(args.seed), args.batch_size)
     _prove(task, first_batch, num)
     comparison = _compare(task, first_batch, num, args, rows)
-    losses = {name: _train(task, n, args) for name, n in _contenders(num).items()}
+    runs = {name: _train(task, n, args) for name, n in _contenders(num).items()}
+    losses = {name: run[0] for name, run in runs.items()}
+    noise_scale = _noise_scale(task, runs["jaxaccum"][1], num, args)
     png = out / "loss.png"
     _plot_losses(
         losses,
@@ -122,6 +124,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         "losses": losses["jaxaccum"],
         "full_batch_losses": losses["full_batch"],
         "comparison": comparison,
+        "noise_scale": noise_scale,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     gap = max(abs(a - b) for a, b in zip(*losses.values(), strict=True))
@@ -215,7 +218,40 @@ def _step_seconds(task, batch, num: int, args: argparse.Namespace) -> float:
     return float(np.median(timeit.repeat(run, number=1, repeat=args.repeats)))
 
 
-def _train(task: _models.Task, num: int, args: argparse.Namespace) -> list[float]:
+def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
+    """B_simple of the trained model: the averaged estimates of 16 windows."""
+    measured_num = max(num, 2)  # one micro-batch gives one batch size: no estimate
+    step = jax.jit(jaxaccum.value_and_grad(task.loss, measured_num, report_stats=True))
+    ema = jaxaccum.NoiseScaleEMA(decay=0.9)
+    state = ema.init()
+    data_key = jax.random.key(args.seed + 2)
+    for index in range(16):
+        batch = task.make_batch(jax.random.fold_in(data_key, index), args.batch_size)
+        state = ema.update(state, step(params, batch)[1])
+    noise_scale = float(ema.noise_scale(state))
+    if noise_scale < args.batch_size:
+        meaning = (
+            "below the effective batch: past about that many examples a bigger "
+            "batch buys few fewer steps, so fewer micro-batches (a smaller "
+            "batch) would reach this loss in about as many steps"
+        )
+    else:
+        meaning = (
+            "above the effective batch: a bigger batch (more micro-batches) "
+            "would still cut the number of steps almost in proportion"
+        )
+    console.print(
+        f"Effective batch {args.batch_size}; gradient noise scale B_simple of the "
+        f"trained model {noise_scale:,.0f} examples, {meaning} (McCandlish et "
+        "al. 2018; README, 'Is the big batch worth it?')."
+    )
+    return noise_scale
+
+
+def _train(
+    task: _models.Task, num: int, args: argparse.Namespace
+) -> tuple[list[float], Any]:
+    """Trains ``args.steps`` steps; returns the losses and the parameters."""
     optimizer = optax.adam(args.learning_rate)
     step = _jitted_train_step(task, num, optimizer)
     opt_state, params = optimizer.init(task.params), _copy(task.params)
@@ -245,7 +281,7 @@ def _train(task: _models.Task, num: int, args: argparse.Namespace) -> list[float
                 loss=f"{losses[-1]:.4f}",
                 speed=f"{speed:,.0f} examples/s",
             )
-    return losses
+    return losses, params
 
 
 def _plot_losses(
