@@ -1,184 +1,226 @@
-"""Cost of one non-emitting mini-step: `jaxaccum.MultiSteps` vs `optax.MultiSteps`.
+"""The step users write with MultiSteps: `jaxaccum.MultiSteps` vs `optax.MultiSteps`.
 
-Both wrap ``optax.adam`` over a pytree of about 11.5M float32 parameters.
-``update(grads, state, params)`` is jitted three ways: with the gradients and
-the state donated (the headline figure), with only the state donated (JAX then
-pairs the first donated state buffers with the ``updates`` output, so XLA must
-copy), and without donation; a fourth config jits a training step that applies
-the updates, with the params and the state donated. For each we record the
-median time of a mini-step that does not emit, the compiled temp memory, and
-the ``copy(`` ops in the optimized HLO. Both libraries are timed in the same
-run, alternately, and the ratio is the median of the per-round ratios, so
-machine noise hits both alike.
+One train step: gradients in, ``optimizer.update(grads, state, params)``,
+``optax.apply_updates``, jitted; window of k=8 calls. Each library runs in two
+configurations: the parameters and the optimizer state donated, and nothing
+donated. Every figure compares against **optax's fastest configuration** (the
+faster of its two, call by call type), the ratio per round.
 
-Run: ``python benchmarks/multisteps.py``; writes
-``benchmarks/results/multisteps.json`` and prints a table.
+A round runs each (library, configuration) for 32 chained calls (4 windows),
+interleaved, and keeps the median of its 28 mid-window calls and of its 4
+emitting calls. Rounds repeat within a process, and the whole run repeats in
+fresh processes (a process's first allocations can differ from its later ones,
+and from another process's): min / median / max over every round of every
+process. Also recorded: compiled temp memory and the ``copy`` ops of the
+optimised HLO.
+
+Run: python benchmarks/multisteps.py   (writes benchmarks/results/multisteps.json)
+     python benchmarks/multisteps.py --quick   (12M Adam only, writes nothing)
+     python benchmarks/multisteps.py --bare    (update alone: multisteps_bare.json)
 """
 
+import argparse
 import json
-import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
+from common import write_json
 
 import jaxaccum
 
-# Large enough that no timed call completes a window.
-CALLS_PER_WINDOW = 1_000_000
-# Config name -> (jitted function, donate_argnums), see `step_fns`.
-DONATION = {
-    "donated": ("update", (0, 1)),
-    "state_donated": ("update", (1,)),
-    "not_donated": ("update", ()),
-    "train_step": ("train_step", (0, 1)),
+EVERY_K = 8
+CALLS = 4 * EVERY_K
+SIZES = {"1M": 1, "12M": 12, "50M": 50}  # that many 1000 x 1000 float32 matrices
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw+clip": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=1e-4)
+    ),
+    "adafactor": lambda: optax.adafactor(1e-3),
 }
-ROUNDS = 15
-CALLS_PER_ROUND = 5
-RESULTS_PATH = Path(__file__).parent / "results" / "multisteps.json"
+LIBRARIES = {"jaxaccum": jaxaccum.MultiSteps, "optax": optax.MultiSteps}
+CONFIGS = {"donated": (0, 1), "not_donated": ()}
+# With ``--bare``, ``update(grads, state, params)`` is jitted alone and
+# "donated" donates the gradients and the state (JAX pairs donated inputs with
+# outputs in order, and ``updates`` comes first).
 
 
-def make_params() -> dict:
-    """A small transformer-like pytree: an embedding and three MLP blocks."""
-    width, hidden = 512, 2048
-    layers = [
-        {
-            "w_in": jnp.zeros((width, hidden)),
-            "b_in": jnp.zeros((hidden,)),
-            "w_out": jnp.zeros((hidden, width)),
-            "w_gate": jnp.zeros((width, hidden)),
-        }
-        for _ in range(3)
-    ]
-    return {"embed": jnp.zeros((4096, width)), "layers": layers}
+def count_copies(hlo_text: str) -> int:
+    """``copy`` ops of non-scalar arrays in an optimised HLO module."""
+    shapes = re.findall(r"= (\S+) copy(?:-start)?\(", hlo_text)
+    return sum("[]" not in shape for shape in shapes)
 
 
-def count_copies(hlo_text: str) -> tuple[int, int]:
-    """Returns the number of ``copy(`` ops and how many copy a non-scalar."""
-    copies = re.findall(r"= (\S+) copy\(", hlo_text)
-    return len(copies), sum("[]" not in shape for shape in copies)
+def build(library: str, optimizer_name: str, size: str, config: str, kind="train_step"):
+    """The compiled step, its first arguments, and its HLO figures.
 
-
-def step_fns(wrapper) -> dict:
-    """Functions ``(carried, state, other) -> (carried, state)`` to time.
-
-    ``update`` is the bare ``update(grads, state, params)``; ``train_step``
-    applies the updates to the params, as a training step jitted with the
-    params and the optimizer state donated does.
+    ``kind="train_step"`` runs ``(params, state, grads) -> (params, state)``;
+    ``"update"`` the bare ``(grads, state, params) -> (updates, state)``, whose
+    zero updates are fed back as the next call's gradients (no cost changes).
     """
+    optimizer = LIBRARIES[library](OPTIMIZERS[optimizer_name](), EVERY_K)
+    keys = jax.random.split(jax.random.key(0), SIZES[size])
+    params = [jax.random.normal(key, (1000, 1000)) * 0.01 for key in keys]
+    grads = [jnp.full((1000, 1000), 1e-3) for _ in keys]
 
     def train_step(params, state, grads):
-        updates, state = wrapper.update(grads, state, params)
+        updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return {"update": wrapper.update, "train_step": train_step}
-
-
-def build(wrapper, params, config: str):
-    """Returns the compiled step, its arguments and its HLO figures."""
-    fn_name, donate_argnums = DONATION[config]
-    step = jax.jit(step_fns(wrapper)[fn_name], donate_argnums=donate_argnums)
-    grads = jax.tree.map(jnp.ones_like, params)
-    state = wrapper.init(params)
-    # Fresh buffers: donation must not consume the shared `params`.
-    carried, other = (grads, params) if fn_name == "update" else (params, grads)
-    args = [jax.tree.map(jnp.copy, carried), state, other]
-    compiled = step.lower(*args).compile()
-    copies, array_copies = count_copies(compiled.as_text())
-    memory = compiled.memory_analysis()
+    fun, first = (
+        (train_step, params)
+        if kind == "train_step"
+        else (
+            optimizer.update,
+            grads,
+        )
+    )
+    step = jax.jit(fun, donate_argnums=CONFIGS[config])
+    state = optimizer.init(params)
+    other = grads if kind == "train_step" else params
+    compiled = step.lower(first, state, other).compile()
     figures = {
-        "temp_bytes": memory.temp_size_in_bytes,
-        "alias_bytes": memory.alias_size_in_bytes,
-        "hlo_copies": copies,
-        "hlo_array_copies": array_copies,
+        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "hlo_array_copies": count_copies(compiled.as_text()),
     }
-    return compiled, args, figures
+    return compiled, [first, state, other], figures
 
 
-def time_calls(compiled, args: list) -> float:
-    """Runs ``CALLS_PER_ROUND`` chained mini-steps; returns seconds per call.
-
-    Each call's first output replaces its first argument, which may have been
-    donated: the (zero) updates stand in for the gradients, which changes no
-    cost, and a training step's new params for its params.
-    """
-    start = time.perf_counter()
-    for _ in range(CALLS_PER_ROUND):
+def run_round(compiled, args: list) -> dict[str, float]:
+    """CALLS chained calls; median seconds of mid-window and emitting calls."""
+    mid, emit = [], []
+    for call in range(CALLS):
+        start = time.perf_counter()
         args[0], args[1] = compiled(*args)
-    jax.block_until_ready(args[:2])
-    return (time.perf_counter() - start) / CALLS_PER_ROUND
+        jax.block_until_ready(args[:2])
+        (emit if (call + 1) % EVERY_K == 0 else mid).append(time.perf_counter() - start)
+    return {"mid": statistics.median(mid), "emit": statistics.median(emit)}
+
+
+def one_process(optimizer_name: str, size: str, rounds: int, kind: str) -> dict:
+    """Every (library, config) of one case, ``rounds`` interleaved rounds."""
+    built = {
+        (library, config): build(library, optimizer_name, size, config, kind)
+        for library in LIBRARIES
+        for config in CONFIGS
+    }
+    seconds: dict = {name: [] for name in built}
+    for _ in range(rounds):
+        for name, (compiled, args, _) in built.items():
+            seconds[name].append(run_round(compiled, args))
+    return {
+        f"{library}/{config}": {"rounds": seconds[(library, config)], **figures}
+        for (library, config), (_, _, figures) in built.items()
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def summarize(processes: list[dict]) -> dict:
+    """Ratios per round against optax's fastest configuration of that round."""
+    summary = {}
+    for name in processes[0]:
+        summary[name] = {
+            key: processes[0][name][key] for key in ("temp_bytes", "hlo_array_copies")
+        }
+        for call in ("mid", "emit"):
+            ratios, milliseconds = [], []
+            for process in processes:
+                for index, measured in enumerate(process[name]["rounds"]):
+                    best_optax = min(
+                        process[f"optax/{config}"]["rounds"][index][call]
+                        for config in CONFIGS
+                    )
+                    ratios.append(measured[call] / best_optax)
+                    milliseconds.append(measured[call] * 1e3)
+            summary[name][f"{call}_ms"] = spread(milliseconds)
+            summary[name][f"{call}_vs_optax_fastest"] = spread(ratios)
+    return summary
+
+
+def run_in_processes(
+    optimizer_name: str, size: str, processes: int, rounds: int, kind: str
+):
+    results = []
+    for _ in range(processes):
+        output = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                optimizer_name,
+                size,
+                str(rounds),
+                kind,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        results.append(json.loads(output.splitlines()[-1]))
+    return summarize(results)
+
+
+def print_case(case: str, summary: dict) -> None:
+    print(f"\n{case}: ratio to optax's fastest configuration (min / median / max)")
+    for name, row in summary.items():
+        mid, emit = row["mid_vs_optax_fastest"], row["emit_vs_optax_fastest"]
+        print(
+            f"  {name:<21} mid {row['mid_ms']['median']:7.2f} ms "
+            f"x{mid['min']:.2f}/{mid['median']:.2f}/{mid['max']:.2f}   emit "
+            f"{row['emit_ms']['median']:7.2f} ms "
+            f"x{emit['min']:.2f}/{emit['median']:.2f}/{emit['max']:.2f}   "
+            f"copies {row['hlo_array_copies']}"
+        )
 
 
 def main() -> None:
-    params = make_params()
-    num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-    wrappers = {
-        "optax": optax.MultiSteps(optax.adam(1e-3), CALLS_PER_WINDOW),
-        "jaxaccum": jaxaccum.MultiSteps(optax.adam(1e-3), CALLS_PER_WINDOW),
-    }
-    results = {
-        "num_params": num_params,
-        "inner_optimizer": "adam",
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "cpu": platform.processor() or platform.machine(),
-        "jax": jax.__version__,
-        "optax": optax.__version__,
-        "rounds": ROUNDS,
-        "calls_per_round": CALLS_PER_ROUND,
-        "configs": {},
-    }
-    for config in DONATION:
-        built = {name: build(w, params, config) for name, w in wrappers.items()}
-        for compiled, args, _ in built.values():
-            time_calls(compiled, args)  # warm-up
-        seconds = {name: [] for name in built}
-        for _ in range(ROUNDS):
-            for name, (compiled, args, _) in built.items():
-                seconds[name].append(time_calls(compiled, args))
-        ratios = [
-            j / o for j, o in zip(seconds["jaxaccum"], seconds["optax"], strict=True)
-        ]
-        results["configs"][config] = {
-            "time_ratio_jaxaccum_over_optax": statistics.median(ratios),
-            "temp_ratio_jaxaccum_over_optax": (
-                built["jaxaccum"][2]["temp_bytes"]
-                / max(built["optax"][2]["temp_bytes"], 1)
-            ),
-            **{
-                name: {"median_ms": 1e3 * statistics.median(seconds[name]), **fig}
-                for name, (_, _, fig) in built.items()
-            },
-        }
-
-    RESULTS_PATH.parent.mkdir(exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps(results, indent=2) + "\n")
-    print(
-        f"non-emitting mini-step, adam, {num_params / 1e6:.1f}M float32 params, "
-        f"{results['backend']} ({results['cpu']})"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="12M Adam only")
+    parser.add_argument(
+        "--bare", action="store_true", help="the bare update, 12M Adam only"
     )
-    header = (
-        f"{'config':<13} {'library':<9} {'median ms':>9} {'temp KiB':>10} "
-        f"{'copies':>6} {'array copies':>12}"
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        optimizer_name, size, rounds, kind = args.one
+        print(json.dumps(one_process(optimizer_name, size, int(rounds), kind)))
+        return
+    kind = "update" if args.bare else "train_step"
+    cases = (
+        [("adam", "12M")]
+        if args.quick or args.bare
+        else [(optimizer_name, size) for size in SIZES for optimizer_name in OPTIMIZERS]
     )
-    print(header)
-    for config, figures in results["configs"].items():
-        for name in wrappers:
-            row = figures[name]
-            print(
-                f"{config:<13} {name:<9} {row['median_ms']:>9.2f} "
-                f"{row['temp_bytes'] / 2**10:>10.1f} {row['hlo_copies']:>6} "
-                f"{row['hlo_array_copies']:>12}"
-            )
-        print(
-            f"{config:<13} ratio jaxaccum/optax: time "
-            f"{figures['time_ratio_jaxaccum_over_optax']:.2f}"
+    results = {}
+    for optimizer_name, size in cases:
+        case = f"{size} {optimizer_name}" + (", bare update" if args.bare else "")
+        results[case] = run_in_processes(
+            optimizer_name, size, args.processes, args.rounds, kind
         )
-    print(f"wrote {RESULTS_PATH}")
+        print_case(case, results[case])
+    if not args.quick:
+        path = write_json(
+            "multisteps_bare" if args.bare else "multisteps",
+            {
+                "every_k": EVERY_K,
+                "calls_per_round": CALLS,
+                "processes": args.processes,
+                "rounds_per_process": args.rounds,
+                "cases": results,
+            },
+        )
+        print(f"Wrote {path}")
 
 
 if __name__ == "__main__":

@@ -270,16 +270,20 @@ def test_weighted_sum_and_zero_total_weight():
     chex.assert_trees_all_equal(updates, {"v": jnp.zeros(2)})
 
 
-def test_accumulator_holds_window_sum_until_next_window_starts():
+def test_accumulator_carries_the_emitted_updates_until_next_window_starts():
     wrapper = jaxaccum.MultiSteps(optax.sgd(1.0), 2)
     params = {"v": jnp.zeros(2)}
     state = wrapper.init(params)
     _, state = wrapper.update({"v": jnp.array([1.0, 2.0])}, state, params, weight=2)
     chex.assert_trees_all_equal(state.acc_grads, {"v": jnp.array([2.0, 4.0])})
-    _, state = wrapper.update({"v": jnp.array([4.0, 0.0])}, state, params, weight=1)
-    # Emitted: the sum stays readable until the next window overwrites it.
+    updates, state = wrapper.update(
+        {"v": jnp.array([4.0, 0.0])}, state, params, weight=1
+    )
+    # Emitted: sgd(1.0) on the mean (6, 4) / 3. The sum's buffer now holds the
+    # updates it carried out; the weight stays readable.
     assert bool(wrapper.has_updated(state))
-    chex.assert_trees_all_equal(state.acc_grads, {"v": jnp.array([6.0, 4.0])})
+    chex.assert_trees_all_close(updates, {"v": -jnp.array([2.0, 4.0 / 3.0])})
+    chex.assert_trees_all_equal(state.acc_grads, updates)
     assert float(state.acc_weight) == 3.0
     _, state = wrapper.update({"v": jnp.array([1.0, 1.0])}, state, params, weight=5)
     chex.assert_trees_all_equal(state.acc_grads, {"v": jnp.array([5.0, 5.0])})
