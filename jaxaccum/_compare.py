@@ -26,7 +26,7 @@ def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
         a = np.asarray(a, np.float64)
         b = np.asarray(b, np.float64)
         abs_err = float(np.abs(a - b).max(initial=0.0))
-        scale = max(float(np.abs(b).max(initial=0.0)), np.finfo(np.float32).tiny)
+        scale = max(float(np.abs(b).max(initial=0.0)), float(np.finfo(np.float32).tiny))
         errors.append((jax.tree_util.keystr(path), abs_err, abs_err / scale))
     return errors
 

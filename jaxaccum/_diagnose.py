@@ -293,7 +293,7 @@ def _least_squares_scale(actual: np.ndarray, reference: np.ndarray) -> float:
 def _relative_change(new: Any, old: Any) -> float:
     new, old = _flat(new), _flat(old)
     return float(np.max(np.abs(new - old), initial=0.0)) / max(
-        float(np.max(np.abs(old), initial=0.0)), np.finfo(np.float32).tiny
+        float(np.max(np.abs(old), initial=0.0)), float(np.finfo(np.float32).tiny)
     )
 
 

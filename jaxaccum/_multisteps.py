@@ -53,12 +53,12 @@ class MultiStepsState(NamedTuple):
         ``()`` without.
     """
 
-    mini_step: jax.typing.ArrayLike
-    gradient_step: jax.typing.ArrayLike
+    mini_step: jax.Array
+    gradient_step: jax.Array
     inner_opt_state: Any
     acc_grads: Any
     skip_state: Any = ()
-    acc_weight: jax.typing.ArrayLike = 0.0
+    acc_weight: jax.Array | float = 0.0
     acc_sq_norm: Any = ()
 
 
@@ -289,7 +289,7 @@ class MultiSteps:
         acc_weight = add_to_window(
             jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
         )
-        running_sq_norm = ()
+        running_sq_norm: Any = ()
         if self._track_noise_scale:
             sq_norm = optax.tree.norm(
                 jax.tree.map(lambda g: g.astype(jnp.float32), updates), squared=True

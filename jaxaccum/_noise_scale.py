@@ -158,12 +158,13 @@ class NoiseScaleState(NamedTuple):
     Attributes:
       gradient_norm_sq: EMA of the ``|G|^2`` estimates (not bias-corrected).
       gradient_noise_trace: EMA of the ``tr(Sigma)`` estimates (likewise).
-      count: int32, windows averaged so far (those with finite estimates).
+      num_windows: int32, windows averaged so far (those with finite
+        estimates).
     """
 
     gradient_norm_sq: jax.Array
     gradient_noise_trace: jax.Array
-    count: jax.Array
+    num_windows: jax.Array
 
 
 class NoiseScaleEMA:
@@ -172,7 +173,7 @@ class NoiseScaleEMA:
     Each window's estimates are unbiased but noisy (a window's ``|G|^2``
     estimate can be negative); their ratio is biased. So, as gpt-neox does,
     this keeps exponential moving averages of the numerator and the
-    denominator separately, bias-corrected as in Adam (``1 - decay^count``),
+    denominator separately, bias-corrected as in Adam (``1 - decay^num_windows``),
     and :meth:`noise_scale` divides the averages. Windows with a NaN or
     infinite estimate (one micro-batch, a non-finite gradient) are skipped.
 
@@ -186,7 +187,7 @@ class NoiseScaleEMA:
       >>> x = jnp.arange(48.0).reshape(16, 3) / 48
       >>> (value, grads), stats = step(jnp.ones(3), x)
       >>> state = ema.update(state, stats)
-      >>> int(state.count), bool(ema.noise_scale(state) > 0)
+      >>> int(state.num_windows), bool(ema.noise_scale(state) > 0)
       (1, True)
     """
 
@@ -211,11 +212,13 @@ class NoiseScaleEMA:
             jnp.where(usable, self.decay * o + (1 - self.decay) * n, o)
             for o, n in zip(old, new, strict=True)
         ]
-        return NoiseScaleState(*averaged, state.count + usable.astype(jnp.int32))
+        return NoiseScaleState(
+            averaged[0], averaged[1], state.num_windows + usable.astype(jnp.int32)
+        )
 
     def _corrected(self, state: NoiseScaleState) -> tuple[jax.Array, jax.Array]:
-        correction = 1 - self.decay ** state.count.astype(jnp.float32)
-        correction = jnp.where(state.count > 0, correction, jnp.nan)
+        correction = 1 - self.decay ** state.num_windows.astype(jnp.float32)
+        correction = jnp.where(state.num_windows > 0, correction, jnp.nan)
         return (
             state.gradient_norm_sq / correction,
             state.gradient_noise_trace / correction,

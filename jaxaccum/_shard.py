@@ -349,6 +349,7 @@ def _local_split(
                 "reduction='weighted' or 'sum')."
             )
         return microbatch_size // num_devices
+    assert num_microbatches is not None  # AccumOptions sets exactly one
     if local_size % num_microbatches and not pad:
         raise ValueError(
             f"Batch size {batch_size} over {where} is {local_size} rows per "

@@ -217,7 +217,7 @@ def strided_view(batch: Any, num_microbatches: int) -> Any:
     return jax.tree.map(view, batch)
 
 
-def take_microbatch(view: Any, index: jax.Array) -> Any:
+def take_microbatch(view: Any, index: jax.typing.ArrayLike) -> Any:
     """Micro-batch ``index`` (examples ``index, index + N, ...``) of a view."""
     return jax.tree.map(
         lambda x: lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False), view

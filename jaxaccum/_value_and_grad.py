@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
@@ -383,6 +384,8 @@ def _per_device(
 def _check_state(state_vals: tuple, new_state: tuple, state_nums: tuple) -> None:
     """The state fun returns must have the structure, shapes and dtypes it got."""
     for num, before, after in zip(state_nums, state_vals, new_state, strict=True):
+        old_tree: Any  # a PyTreeDef, which jaxlib's stubs leave unresolved
+        new_tree: Any
         old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(before)
         new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(after)
         if old_tree != new_tree:
@@ -488,7 +491,10 @@ def _package(out: WindowOut, options: AccumOptions) -> Any:
         result = result, new_state
     if options.report_stats:
         stats = window_stats(
-            out.micro, grad_sq_norm, options.reduction, options.data_axes
+            out.micro,
+            typing.cast(jax.Array, grad_sq_norm),  # computed with report_stats
+            options.reduction,
+            options.data_axes,
         )
         return result, stats
     if options.report_finite:

@@ -354,7 +354,7 @@ def linen_train_step(
         *args: Any,
         rngs: Any = None,
         **kwargs: Any,
-    ) -> tuple[train_state.TrainState, Any]:
+    ) -> tuple:
         missing = [name for name in collections if not hasattr(state, name)]
         if missing:
             raise AttributeError(
@@ -544,13 +544,14 @@ def _check_no_graph_nodes(args: tuple) -> None:
 def _nnx_loss(fun: Callable[..., Any], model: Any, wrt: Any) -> tuple:
     """``fun`` as ``loss(params, state, batch, *args) -> (out, new_state)``, with
     the model's ``wrt`` Variables as ``params`` and the rest as ``state``."""
-    graphdef, params, state = nnx.split(model, wrt, ...)
+    graphdef, *states = nnx.split(model, wrt, ...)
+    params, state = states
 
     def loss(params, state, batch, *args, **kwargs):
         # copy=True: the Variables must belong to this trace to be updated.
         model = nnx.merge(graphdef, params, state, copy=True)
         out = fun(model, batch, *args, **kwargs)
-        _, _, new_state = nnx.split(model, wrt, ...)
+        new_state = nnx.split(model, wrt, ...)[2]
         _check_same_variables(state, new_state)
         return out, new_state
 

@@ -127,7 +127,7 @@ def test_ema_averages_numerator_and_denominator_then_divides(tmp_path):
             jnp.float32(norm_sq), jnp.float32(trace), jnp.float32(trace / norm_sq)
         )
         state = jax.jit(ema.update)(state, stats)
-    assert int(state.count) == 2  # the NaN window is skipped
+    assert int(state.num_windows) == 2  # the NaN window is skipped
     # Bias-corrected: (0.5 * 0.5 * 4 + 0.5 * 2) / (1 - 0.25) = 2 / 0.75, and
     # (0.5 * 0.5 * 8 + 0.5 * 12) / 0.75 = 8 / 0.75: their ratio, not the
     # mean of the windows' ratios (2 and 6).
