@@ -273,28 +273,9 @@ class MultiSteps:
         every_k = self._every_k(state.gradient_step)
         should_skip, skip_state = self._should_skip(updates, state, params, weight)
         emit = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
-        # The reset is lazy: the first accepted call of a window overwrites the
-        # previous window's sum instead of an extra pass writing zeros.
-        window_start = state.mini_step == 0
-
-        def add_to_window(acc: jax.Array, grad: jax.Array) -> jax.Array:
-            grad = grad.astype(acc.dtype)
-            if weight is not None:
-                grad = weight.astype(acc.dtype) * grad
-            new_sum = jnp.where(window_start, grad, acc + grad)
-            # Selects, not branches: they fuse into the add's single pass.
-            return jnp.where(should_skip, acc, new_sum)
-
-        acc_grads = jax.tree.map(add_to_window, state.acc_grads, updates)
-        acc_weight = add_to_window(
-            jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
+        acc_grads, acc_weight, running_sq_norm = self._add(
+            updates, state, weight, should_skip
         )
-        running_sq_norm: Any = ()
-        if self._track_noise_scale:
-            sq_norm = optax.tree.norm(
-                jax.tree.map(lambda g: g.astype(jnp.float32), updates), squared=True
-            )
-            running_sq_norm = add_to_window(state.acc_sq_norm[0], sq_norm)
 
         def emit_window(acc_grads, inner_opt_state):
             return self._emit(
@@ -348,6 +329,39 @@ class MultiSteps:
             acc_sq_norm=acc_sq_norm,
         )
         return new_updates, new_state
+
+    def _add(
+        self,
+        updates: optax.Updates,
+        state: MultiStepsState,
+        weight: jax.Array | None,
+        should_skip: jax.Array,
+    ) -> tuple[Any, jax.Array, Any]:
+        """This call's share of the window: the new accumulator, total weight
+        and (with ``track_noise_scale``) sum of squared gradient norms."""
+        # The reset is lazy: the first accepted call of a window overwrites the
+        # previous window's sum instead of an extra pass writing zeros.
+        window_start = state.mini_step == 0
+
+        def add_to_window(acc: jax.Array, grad: jax.Array) -> jax.Array:
+            grad = grad.astype(acc.dtype)
+            if weight is not None:
+                grad = weight.astype(acc.dtype) * grad
+            new_sum = jnp.where(window_start, grad, acc + grad)
+            # Selects, not branches: they fuse into the add's single pass.
+            return jnp.where(should_skip, acc, new_sum)
+
+        acc_grads = jax.tree.map(add_to_window, state.acc_grads, updates)
+        acc_weight = add_to_window(
+            jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
+        )
+        running_sq_norm: Any = ()
+        if self._track_noise_scale:
+            sq_norm = optax.tree.norm(
+                jax.tree.map(lambda g: g.astype(jnp.float32), updates), squared=True
+            )
+            running_sq_norm = add_to_window(state.acc_sq_norm[0], sq_norm)
+        return acc_grads, acc_weight, running_sq_norm
 
     def _window_sq_norm(self, acc_grads: Any, acc_weight: jax.Array) -> Any:
         """With ``track_noise_scale``, ``|G_B|^2`` of the window's mean gradient."""

@@ -174,9 +174,9 @@ def grad(
     """Like :func:`value_and_grad` but returns only the gradient.
 
     With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
-    ``state_argnums``, ``(that, new_state)``; with ``report_finite``, all that
-    and the :class:`FiniteReport`. All arguments are those of
-    :func:`value_and_grad`.
+    ``state_argnums``, ``(that, new_state)``; with ``report_finite``
+    (``report_stats``), all that and the :class:`FiniteReport`
+    (:class:`WindowStats`). All arguments are those of :func:`value_and_grad`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -208,7 +208,7 @@ def grads_only(
     @functools.wraps(value_and_grad_fun)
     def grad_fun(*args: Any, **call_kwargs: Any) -> Any:
         out = value_and_grad_fun(*args, **call_kwargs)
-        if options.report_finite:
+        if options.reports:
             return only_grads(out[0]), out[1]
         return only_grads(out)
 

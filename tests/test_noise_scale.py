@@ -75,6 +75,31 @@ def test_window_stats_are_the_norms_they_say():
     )
 
 
+def test_grad_and_equinox_filter_grad_report_stats_too():
+    import equinox as eqx
+
+    import jaxaccum.equinox
+
+    x, y = population()
+    w = jnp.ones(FEATURES)
+    grads, stats = jaxaccum.grad(mean_loss, 4, batch_argnums=(1, 2), report_stats=True)(
+        w, x[:64], y[:64]
+    )
+    chex.assert_trees_all_close(grads, jax.grad(mean_loss)(w, x[:64], y[:64]))
+    assert stats.microbatch_grad_sq_norm.shape == (4,)
+
+    model = eqx.nn.Linear(FEATURES, "scalar", key=jax.random.key(0))
+
+    def model_loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    grads, stats = jaxaccum.equinox.filter_grad(
+        model_loss, 4, batch_argnums=(1, 2), report_stats=True
+    )(model, x[:64], y[:64])
+    assert grads.weight.shape == model.weight.shape
+    assert np.isfinite(stats.noise_scale)
+
+
 def test_one_microbatch_gives_nan_estimates_not_an_error():
     x, y = population()
     _, stats = jaxaccum.value_and_grad(
