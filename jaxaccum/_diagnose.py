@@ -502,7 +502,8 @@ def _batch_dependent_cause(
         "moving one example changed the others' input gradients by up to "
         f"{interaction:.3g} (relative).{found} A batch-dependent layer such as "
         "BatchNorm (or a loss that compares examples) sees micro-batches of "
-        f"B/{num} examples, so no accumulation reproduces the full batch. Use "
+        f"B/{num} examples, so no single-pass accumulation reproduces the full "
+        "batch. Use "
         "GroupNorm or LayerNorm to match it exactly, or accept micro-batch "
         "statistics (README, section Flax).",
     )

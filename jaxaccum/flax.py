@@ -11,8 +11,10 @@ which is what PyTorch and Keras do when they accumulate.
 BatchNorm cannot match the big batch. In training mode it normalizes each
 example with the mean and variance of the batch it is in, so an example's
 output, and the gradient, depend on the other examples: with micro-batches the
-statistics come from ``B / N`` examples instead of ``B``, and no accumulation
-scheme can give the big-batch gradient (:func:`linen_diagnose`,
+statistics come from ``B / N`` examples instead of ``B``, and no single-pass
+accumulation can give the big-batch gradient (a multi-pass scheme can, with
+one forward sweep over the micro-batches per BatchNorm layer for the
+full-batch statistics before the gradient pass; :func:`linen_diagnose`,
 :func:`nnx_diagnose` and ``jaxaccum.testing.diagnose`` name this). The running
 statistics also average ``N`` micro-batch estimates, which are noisier than one
 big-batch estimate. Micro-batch statistics are acceptable when a micro-batch is
