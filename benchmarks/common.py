@@ -1,18 +1,27 @@
-"""Shared pieces of the benchmark scripts: where results go, and the machine.
+"""Shared pieces of the benchmark scripts: where results go, the machine, and
+how repeated measurements are summarised.
 
 The timing and memory harness itself is `jaxaccum.cli._bench` (also behind
-`jaxaccum bench`), and the models are `jaxaccum.cli._models`.
+`jaxaccum bench`), and the models are `jaxaccum.cli._models`. This module
+imports only the standard library at import time, so `import_time.py` can use
+it in a core-only install.
 """
 
 import json
 import pathlib
-
-from jaxaccum.cli._bench import machine
+import statistics
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    """Min / median / max of repeated measurements."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def write_json(name: str, payload: dict) -> pathlib.Path:
+    from jaxaccum.cli._bench import machine  # needs the cli extra
+
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")

@@ -17,9 +17,10 @@ import os
 import pathlib
 import platform
 import re
-import statistics
 import subprocess
 import sys
+
+from common import spread
 
 _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)")
 MODULES = ("jax", "optax", "jaxaccum")
@@ -46,19 +47,10 @@ def measure(rounds: int) -> dict:
     base = [s["jax"] + s["optax"] for s in samples]
     added = [s["jaxaccum"] for s in samples]
     ratios = [a / b for a, b in zip(added, base, strict=True)]
-
-    def spread(values, scale=1.0):
-        values = [v * scale for v in values]
-        return {
-            "min": min(values),
-            "median": statistics.median(values),
-            "max": max(values),
-        }
-
     return {
         "rounds": rounds,
-        "jax_optax_ms": spread(base, 1e-3),
-        "jaxaccum_adds_ms": spread(added, 1e-3),
+        "jax_optax_ms": spread([us * 1e-3 for us in base]),
+        "jaxaccum_adds_ms": spread([us * 1e-3 for us in added]),
         "ratio": spread(ratios),
     }
 

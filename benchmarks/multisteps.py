@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-from common import write_json
+from common import spread, write_json
 
 import jaxaccum
 
@@ -118,10 +118,6 @@ def one_process(optimizer_name: str, size: str, rounds: int, kind: str) -> dict:
         f"{library}/{config}": {"rounds": seconds[(library, config)], **figures}
         for (library, config), (_, _, figures) in built.items()
     }
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def summarize(processes: list[dict]) -> dict:

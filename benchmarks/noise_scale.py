@@ -10,12 +10,11 @@ alike; min / median / max over rounds. Compiled temp memory from
 Run: python benchmarks/noise_scale.py   (writes benchmarks/results/noise_scale.json)
 """
 
-import statistics
 import timeit
 
 import jax
 import optax
-from common import write_json
+from common import spread, write_json
 
 import jaxaccum
 from jaxaccum.cli import _bench, _models
@@ -59,13 +58,6 @@ def measure(task, batch, num: int) -> dict:
                 min(timeit.repeat(call, number=1, repeat=CALLS))
             )
     ratios = [s / p for s, p in zip(seconds[True], seconds[False], strict=True)]
-
-    def spread(values):
-        return {
-            "min": min(values),
-            "median": statistics.median(values),
-            "max": max(values),
-        }
 
     return {
         "plain_ms": spread([s * 1e3 for s in seconds[False]]),

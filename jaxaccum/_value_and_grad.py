@@ -450,23 +450,26 @@ def _scan(
         mask_view = _split.strided_view(inputs.example_mask, num)
     keys = jax.tree.map(lambda key: jax.random.split(key, num), inputs.keys)
 
-    def micro_at(index, micro_keys, state):
-        mask = None if mask_view is None else _split.take_microbatch(mask_view, index)
+    def mask_at(index):
+        return None if mask_view is None else _split.take_microbatch(mask_view, index)
+
+    def micro_at(index, micro_keys, state, mask):
         micro_batch = _split.take_microbatch(batch_view, index)
         return micro(inputs.diff, micro_batch, micro_keys, state, mask)
 
     first_keys = jax.tree.map(lambda k: k[0], keys)
+    first = jnp.zeros((), jnp.int32)
     result_shape = jax.eval_shape(
-        micro_at, jnp.zeros((), jnp.int32), first_keys, inputs.state
+        micro_at, first, first_keys, inputs.state, mask_at(first)
     )
     window = _window(result_shape, inputs, options, split)
 
     def body(carry, xs):
         sums, state = carry
         index, micro_keys = xs
-        result = micro_at(index, micro_keys, state)
+        mask = mask_at(index)
+        result = micro_at(index, micro_keys, state, mask)
         sums, stacked = window.add(sums, result)
-        mask = None if mask_view is None else _split.take_microbatch(mask_view, index)
         micro_stats = window.micro_stats(result, mask)
         return (sums, result.out.new_state), (stacked, micro_stats)
 
