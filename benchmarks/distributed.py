@@ -16,8 +16,17 @@ process and this machine's cores, so an all-reduce is a memory copy between
 threads: far cheaper than over a real interconnect, which is where deferring
 pays (MaxText measured up to 1.28x at 8 micro-batches on TPU).
 
-Run: ``python benchmarks/distributed.py``; writes
-``benchmarks/results/distributed.json`` and prints a table.
+Sharded parameters (``--sharded``, also run by default): the same MLP, 3 hidden
+layers of 1024, FSDP-sharded over the 8 devices (axis 0 of every kernel;
+biases replicated), for each ``param_gather`` x ``grad_reduce`` mode of
+``shard_value_and_grad`` and for ``value_and_grad`` (XLA's SPMD partitioner):
+bytes the collectives move per window and per device (from the compiled HLO:
+outside the loop once, inside it N times) and the per-device compiled
+footprint (``memory_analysis()``). Both are exact and CPU-stable; nothing is
+timed.
+
+Run: ``python benchmarks/distributed.py [--sharded]``; writes
+``benchmarks/results/distributed.json`` (and ``sharded.json``) and prints tables.
 """
 
 import os
@@ -28,6 +37,7 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import chex  # noqa: E402
@@ -93,10 +103,94 @@ def measure(task, mesh, num: int) -> dict:
     return row
 
 
+SHARDED_MODEL = (128, (1024, 1024, 1024), 10)
+MODES = [
+    (gather, reduce)
+    for gather in ("window", "microbatch")
+    for reduce in ("window", "microbatch")
+]
+
+
+def total_bytes(analysis) -> int:
+    """The footprint jaxaccum.plan reports: arguments + outputs + temporaries
+    - aliased."""
+    return (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        + analysis.temp_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
+
+
+def sharded_rows(mesh) -> list[dict]:
+    """Bytes per window and per-device memory of each mode, N in 2..16."""
+    task = mlp_task(*SHARDED_MODEL)
+
+    def spec(leaf):  # kernels over "data" on axis 0; biases replicated
+        return P("data") if leaf.ndim == 2 else P()
+
+    params = jax.device_put(
+        task.params, jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), task.params)
+    )
+    batch = jaxaccum.shard_batch(task.make_batch(jax.random.key(0), BATCH_SIZE), mesh)
+    steps = {"value_and_grad": lambda num: jaxaccum.value_and_grad(task.loss, num)}
+    for gather, reduce in MODES:
+        steps[f"{gather}/{reduce}"] = lambda num, g=gather, r=reduce: (
+            jaxaccum.shard_value_and_grad(task.loss, num, param_gather=g, grad_reduce=r)
+        )
+    rows = []
+    for num in NUM_MICROBATCHES:
+        for mode, make in steps.items():
+            compiled = jax.jit(make(num)).lower(params, batch).compile()
+            rows.append(
+                {
+                    "mode": mode,
+                    "num_microbatches": num,
+                    "window_bytes": jaxaccum.window_bytes(compiled, num),
+                    "device_bytes": total_bytes(compiled.memory_analysis()),
+                    "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                }
+            )
+    return rows
+
+
+def print_sharded(rows: list[dict]) -> None:
+    print(
+        f"FSDP MLP {SHARDED_MODEL}, batch {BATCH_SIZE} over {NUM_DEVICES} devices: "
+        "bytes communicated per window / per-device footprint (MiB)"
+    )
+    modes = list(dict.fromkeys(row["mode"] for row in rows))
+    print(f"{'N':>3}  " + "  ".join(f"{mode:>21}" for mode in modes))
+    for num in NUM_MICROBATCHES:
+        cells = []
+        for mode in modes:
+            (row,) = (
+                r for r in rows if r["mode"] == mode and r["num_microbatches"] == num
+            )
+            moved, held = row["window_bytes"], row["device_bytes"]
+            cells.append(f"{moved / 2**20:>9.2f} / {held / 2**20:>9.2f}")
+        print(f"{num:>3}  " + "  ".join(f"{cell:>21}" for cell in cells))
+
+
 def main() -> None:
     assert jax.device_count() == NUM_DEVICES, (
         f"{jax.device_count()} devices: XLA_FLAGS was applied too late"
     )
+    mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+    with jax.set_mesh(mesh):
+        rows = sharded_rows(mesh)
+    write_json(
+        "sharded",
+        {
+            "batch_size": BATCH_SIZE,
+            "devices": NUM_DEVICES,
+            "model": SHARDED_MODEL,
+            "rows": rows,
+        },
+    )
+    print_sharded(rows)
+    if "--sharded" in sys.argv[1:]:
+        return
     mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
     with jax.set_mesh(mesh):
         rows = [

@@ -9,7 +9,9 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
+from jaxaccum._hlo import collective_bytes as collective_bytes
 from jaxaccum._hlo import count_collectives as count_collectives
+from jaxaccum._hlo import window_bytes as window_bytes
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._multisteps import accumulate as accumulate
@@ -19,8 +21,11 @@ from jaxaccum._noise_scale import NoiseScaleState as NoiseScaleState
 from jaxaccum._noise_scale import WindowStats as WindowStats
 from jaxaccum._plan import MemoryPlan as MemoryPlan
 from jaxaccum._plan import MemoryPlanRow as MemoryPlanRow
+from jaxaccum._plan import ModePlan as ModePlan
+from jaxaccum._plan import ModePlanRow as ModePlanRow
 from jaxaccum._plan import parse_memory_budget as parse_memory_budget
 from jaxaccum._plan import plan as plan
+from jaxaccum._plan import plan_modes as plan_modes
 from jaxaccum._reduce import masked_sum as masked_sum
 from jaxaccum._shard import shard_batch as shard_batch
 from jaxaccum._shard import shard_value_and_grad as shard_value_and_grad
@@ -38,22 +43,27 @@ __all__ = [
     "FiniteReport",
     "MemoryPlan",
     "MemoryPlanRow",
+    "ModePlan",
+    "ModePlanRow",
     "MultiSteps",
     "MultiStepsState",
     "NoiseEstimates",
     "NoiseScaleEMA",
     "NoiseScaleState",
     "accumulate",
+    "collective_bytes",
     "count_collectives",
     "grad",
     "masked_sum",
     "parse_memory_budget",
     "plan",
+    "plan_modes",
     "shard_batch",
     "shard_value_and_grad",
     "split_batch",
     "testing",
     "value_and_grad",
+    "window_bytes",
     "WindowStats",
 ]
 

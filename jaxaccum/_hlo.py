@@ -1,7 +1,8 @@
 """Collectives in a compiled program, inside its loops and outside."""
 
+import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 COLLECTIVES = (
     "all-reduce",
@@ -10,13 +11,42 @@ COLLECTIVES = (
     "all-to-all",
     "collective-permute",
 )
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+# A computation's first line: unindented, ending in "{" (optimised HLO names
+# carry a %, the HLO JAX emits does not).
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\b.*\{\s*$")
 _CALLED = re.compile(
     r"(body|condition|calls|to_apply|true_computation|false_computation)"
-    r"=%([\w.\-]+)"
+    r"=%?([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_INSTRUCTION = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+_LISTED_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_ITEM_BITS = {"pred": 8, "c64": 64, "c128": 128}
+
+
+class Collective(NamedTuple):
+    """One collective instruction of a compiled program.
+
+    Attributes:
+      op: one of :data:`COLLECTIVES`.
+      in_loop: whether it is in a while loop (runs once per iteration).
+      shapes: its result array types, e.g. ``("f32[256,128]",)``.
+      group_size: devices in each of its replica groups (None if the HLO
+        does not list them).
+      bytes: the data it combines: its result's bytes, times the group size
+        for a reduce-scatter (whose input is that many result-sized pieces).
+        So an all-reduce, an all-gather and a reduce-scatter of one whole
+        gradient each count that gradient's bytes once.
+    """
+
+    op: str
+    in_loop: bool
+    shapes: tuple[str, ...]
+    group_size: int | None
+    bytes: int
 
 
 def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
@@ -27,7 +57,7 @@ def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
     appears (not per execution): ``"loop"`` counts those in a while loop's body
     or condition (or a computation they call), which run once per iteration;
     ``"outside"`` the rest. An all-reduce of several arrays fused into one
-    instruction counts once.
+    instruction counts once. :func:`collective_bytes` gives the bytes.
 
     Args:
       compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
@@ -46,7 +76,79 @@ def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
       >>> counts["all-reduce"]  # one device: nothing to reduce
       {'loop': 0, 'outside': 0}
     """
+    counts = {op: {"loop": 0, "outside": 0} for op in COLLECTIVES}
+    for collective in find_collectives(compiled):
+        counts[collective.op]["loop" if collective.in_loop else "outside"] += 1
+    return counts
+
+
+def collective_bytes(compiled: Any) -> dict[str, dict[str, int]]:
+    """The bytes of a compiled step's collectives, inside and outside its loops.
+
+    Like :func:`count_collectives`, per place in the program: bytes under
+    ``"loop"`` move once per iteration, so a window of ``N`` micro-batches
+    moves ``outside + N * loop`` (see :func:`window_bytes`). Each instruction
+    counts :attr:`Collective.bytes`, the per-device data it combines, read
+    from the HLO's shapes.
+
+    Returns:
+      ``{op: {"loop": bytes, "outside": bytes}}`` for each op in
+      :data:`COLLECTIVES`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxaccum
+      >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
+      >>> jaxaccum.collective_bytes(
+      ...     step.lower(jnp.ones(3), jnp.ones((4, 3))).compile())["all-reduce"]
+      {'loop': 0, 'outside': 0}
+    """
+    totals = {op: {"loop": 0, "outside": 0} for op in COLLECTIVES}
+    for collective in find_collectives(compiled):
+        totals[collective.op]["loop" if collective.in_loop else "outside"] += (
+            collective.bytes
+        )
+    return totals
+
+
+def window_bytes(compiled: Any, num_microbatches: int) -> int:
+    """Bytes all collectives of an accumulated step move in one window:
+    those outside the loop once, those inside ``num_microbatches`` times.
+
+    Assumes the step's only loop is the micro-batch loop (a loss with loops
+    of its own would count their collectives ``num_microbatches`` times too).
+    """
+    totals = collective_bytes(compiled).values()
+    return sum(t["outside"] + num_microbatches * t["loop"] for t in totals)
+
+
+def find_collectives(compiled: Any) -> list[Collective]:
+    """Every collective instruction of a compiled program (its optimised
+    HLO), with its place, result shapes, group size and bytes."""
     text = compiled if isinstance(compiled, str) else compiled.as_text()
+    bodies = _computations(text)
+    in_loop = _loop_computations(bodies)
+    found = []
+    for name, lines in bodies.items():
+        for line in lines:
+            match = _INSTRUCTION.search(line)
+            if match is None or not _OP.search(line):
+                continue
+            result, op, started = match.groups()
+            arrays = _ARRAY.findall(result)
+            if started and op in ("all-gather", "collective-permute"):
+                arrays = arrays[len(arrays) // 2 :]  # (inputs, outputs)
+            group_size = _group_size(line)
+            size = sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
+            if op == "reduce-scatter" and group_size:
+                size *= group_size
+            shapes = tuple(f"{dtype}[{dims}]" for dtype, dims in arrays)
+            found.append(Collective(op, name in in_loop, shapes, group_size, size))
+    return found
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """The HLO's computations: name -> instruction lines."""
     bodies: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in text.splitlines():
@@ -57,6 +159,11 @@ def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
             current = None
         elif current is not None:
             current.append(line)
+    return bodies
+
+
+def _loop_computations(bodies: dict[str, list[str]]) -> set[str]:
+    """Names of the computations run inside a while loop."""
 
     def callees(lines: list[str], kinds: tuple[str, ...]) -> set[str]:
         names = {
@@ -85,9 +192,23 @@ def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
         if name not in in_loop:
             in_loop.add(name)
             pending |= callees(bodies.get(name, []), all_kinds)
-    counts = {op: {"loop": 0, "outside": 0} for op in COLLECTIVES}
-    for name, lines in bodies.items():
-        for line in lines:
-            for op in _OP.findall(line):
-                counts[op]["loop" if name in in_loop else "outside"] += 1
-    return counts
+    return in_loop
+
+
+def _group_size(line: str) -> int | None:
+    iota = _IOTA_GROUPS.search(line)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    listed = _LISTED_GROUPS.search(line)
+    if listed:
+        return len(listed.group(1).split(","))
+    return None
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    bits = _ITEM_BITS.get(dtype)
+    if bits is None:
+        digits = re.search(r"[0-9]+", dtype)
+        bits = int(digits.group()) if digits else 8
+    count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    return count * bits // 8

@@ -17,6 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 Reduction = Literal["mean", "sum", "weighted"]
+# When parameters sharded over the data axes are gathered, and when gradients
+# are reduced over them (shard_value_and_grad): once per window or per
+# micro-batch; "auto" picks per leaf (see shard_value_and_grad).
+ShardMode = Literal["auto", "window", "microbatch"]
 AuxReduction = Literal["mean", "sum", "stack", "concat", "last"]
 ArgNums = int | Sequence[int]
 
@@ -24,6 +28,7 @@ REDUCTIONS: tuple[str, ...] = typing.get_args(Reduction)
 AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
 # Aux reductions that keep one micro-batch's values: per device under shard_map.
 PER_MICROBATCH_AUX: tuple[str, ...] = ("stack", "concat", "last")
+SHARD_MODES: tuple[str, ...] = typing.get_args(ShardMode)
 
 
 def argnums_tuple(name: str, argnums: ArgNums) -> tuple[int, ...]:
@@ -71,6 +76,11 @@ class AccumOptions:
       report_stats: also return a :class:`jaxaccum.WindowStats`.
       data_axes: manual mesh axes the batch is split over (``shard_map``):
         each device accumulates its rows, reduced once after the loop.
+      param_gather: when parameters sharded over ``data_axes`` are gathered.
+      grad_reduce: when gradients are reduced over ``data_axes``.
+      gather_dtype: dtype parameters are cast to before they are gathered.
+      param_specs: per differentiated leaf (flattened), its ``PartitionSpec``
+        outside the ``shard_map`` (``P()`` where unknown); set per call.
     """
 
     num_microbatches: int | None = None
@@ -89,6 +99,10 @@ class AccumOptions:
     report_finite: bool = False
     report_stats: bool = False
     data_axes: tuple[str, ...] = ()
+    param_gather: ShardMode = "auto"
+    grad_reduce: ShardMode = "auto"
+    gather_dtype: Any = None
+    param_specs: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_size is None):
@@ -120,6 +134,18 @@ class AccumOptions:
                 "the micro-batches' real sizes unequal, so the mean of their means "
                 "is not the batch mean. Return (loss_sum, weight) from fun, with "
                 "example_mask applied to both, and use reduction='weighted'."
+            )
+        for name in ("param_gather", "grad_reduce"):
+            if getattr(self, name) not in SHARD_MODES:
+                raise ValueError(
+                    f"{name} must be one of {SHARD_MODES}, got {getattr(self, name)!r}."
+                )
+        if self.gather_dtype is not None and not jnp.issubdtype(
+            self.gather_dtype, jnp.floating
+        ):
+            raise ValueError(
+                f"gather_dtype must be a floating dtype such as jnp.bfloat16 (or "
+                f"None), got {self.gather_dtype!r}."
             )
         if self.report_finite and self.report_stats:
             raise ValueError(

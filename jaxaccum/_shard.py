@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxaccum import _split
-from jaxaccum._options import AccumOptions, ArgNums, Reduction
+from jaxaccum._fsdp import shard_plan
+from jaxaccum._options import AccumOptions, ArgNums, Reduction, ShardMode
 from jaxaccum._value_and_grad import check_arg_count, make_accumulated
 
 DataAxis = str | Sequence[str]
@@ -122,6 +123,9 @@ def shard_value_and_grad(
     unroll: int | bool = 1,
     remat: bool | Callable[..., Any] = False,
     report_stats: bool = False,
+    param_gather: ShardMode = "auto",
+    grad_reduce: ShardMode = "auto",
+    gather_dtype: Any = None,
 ) -> Callable[..., Any]:
     """:func:`jaxaccum.value_and_grad` with one gradient all-reduce per window.
 
@@ -139,8 +143,43 @@ def shard_value_and_grad(
 
     Gradients equal the full-batch ones, as in :func:`jaxaccum.value_and_grad`,
     but XLA no longer all-reduces them once per micro-batch inside the loop.
-    Mesh axes other than ``data_axis`` stay automatic (or explicit): parameters
-    sharded over a model axis keep that sharding, and so do their gradients.
+
+    Sharded parameters: each gradient leaf comes back sharded as its
+    parameter is. Parameters sharded over mesh axes other than ``data_axis``
+    (tensor parallel) stay sharded, with nothing gathered at the boundary;
+    inside, those axes are Auto (``jax.sharding.auto_axes``), so ``fun``'s
+    own ``out_sharding=`` arguments must not need them Explicit. Parameters
+    sharded over ``data_axis`` (FSDP, ZeRO-3: on one dimension, over all the
+    data axes) arrive as each device's shard, and two choices trade memory for
+    communication:
+
+    * ``param_gather``: ``"window"`` all-gathers them once, before the loop,
+      and holds the whole parameters for the window (``1/N`` of the gather
+      traffic, the memory of unsharded parameters); ``"microbatch"`` gathers
+      them inside every micro-batch and frees them after it (FSDP's memory,
+      ``N`` gathers per window). XLA would hoist a loop-invariant gather out of
+      the loop, so each gather is tied to the loop's index.
+    * ``grad_reduce``: ``"window"`` accumulates each device's whole local
+      gradient and reduces once after the loop (a reduce-scatter for FSDP
+      leaves, an all-reduce for others: ``1/N`` of the reduction traffic,
+      whole-size accumulators); ``"microbatch"`` reduces every micro-batch's
+      gradient into an accumulator sharded like the parameter (``1/D`` of the
+      accumulator memory for FSDP leaves, ``N`` reductions per window).
+    * ``"auto"`` (both defaults) never holds more than the sharding promises:
+      FSDP leaves are gathered and reduce-scattered per micro-batch; all other
+      gradients are all-reduced once per window (their accumulators are whole
+      on every device anyway, so deferring costs no memory).
+
+    Pick the fastest that fits: ``"window"`` for both when the whole parameters
+    and a whole gradient accumulator fit next to the activations
+    (:func:`jaxaccum.plan_modes` compiles each combination and reports its
+    per-device memory and bytes per window).
+
+    Auto meshes: the arguments' shardings are not visible to the traced
+    program there, so parameters would be taken as replicated (gathered at the
+    boundary, gradients replicated). Declare them with
+    ``jax.sharding.explicit_axes(step, in_sharding=(param_specs, P("data")))``
+    around the accumulated function, and it runs as on an Explicit mesh.
 
     Differences from :func:`jaxaccum.value_and_grad`, all because ``fun`` sees
     one device's rows at a time:
@@ -183,12 +222,22 @@ def shard_value_and_grad(
       remat: as for :func:`jaxaccum.value_and_grad`.
       report_stats: also return a :class:`jaxaccum.WindowStats`; the
         micro-batch norms are each device's local ones (``b = B / (N D)``),
-        taken before the one deferred reduction.
+        taken before any reduction.
+      param_gather: ``"auto"``, ``"window"`` or ``"microbatch"``: when
+        parameters sharded over ``data_axis`` are all-gathered (see above).
+      grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: when
+        gradients are reduced over ``data_axis`` (see above).
+      gather_dtype: a dtype such as ``jnp.bfloat16`` to cast FSDP shards to
+        before they are gathered (half the gather's bytes); the loss sees the
+        gathered values cast back to the parameter's dtype, and gradients flow
+        to the float32 parameters. Measured: XLA:CPU runs bfloat16 collectives
+        in float32, so the saving shows on GPU and TPU.
 
     Returns:
       A function with ``fun``'s positional signature returning ``(value,
       grads)`` (``((value, aux), grads)`` with ``has_aux``; with
-      ``report_stats``, ``(that, stats)``), replicated over ``data_axis``.
+      ``report_stats``, ``(that, stats)``): gradients sharded as the
+      parameters, everything else replicated.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -203,7 +252,8 @@ def shard_value_and_grad(
       (Array(9., dtype=float32), Array([6., 6., 6.], dtype=float32))
     """
     # Built once here so that bad options fail at construction, as they do for
-    # value_and_grad; the per-device micro-batch size is known only per call.
+    # value_and_grad; the per-device micro-batch size and the parameters'
+    # shardings are known only per call.
     options = AccumOptions.from_arguments(
         {**locals(), "data_axes": _data_axes(data_axis)}
     )
@@ -217,9 +267,12 @@ def shard_value_and_grad(
         device_mesh = _resolve_mesh(
             mesh, options.data_axes, jax.sharding.get_abstract_mesh
         )
-        per_device = make_accumulated(
-            fun, _per_device_options(options, args, device_mesh)
+        diff_args = tuple(args[num] for num in options.diff_nums)
+        call_options = dataclasses.replace(
+            _per_device_options(options, args, device_mesh),
+            param_specs=_param_specs_of(diff_args, options.data_axes),
         )
+        per_device = make_accumulated(fun, call_options)
 
         def on_device(*mapped: Any) -> Any:
             call_args = list(args)
@@ -227,13 +280,60 @@ def shard_value_and_grad(
                 call_args[num] = value
             return per_device(*call_args, **kwargs)
 
-        step = _shard_map(on_device, mapped_nums, options, device_mesh)
+        shards = shard_plan(call_options)
+        assert shards is not None  # data_axes is never empty here
+        grad_specs = _param_specs(diff_args, shards.dims, options.data_axes)
+        step = _shard_map(on_device, mapped_nums, options, device_mesh, grad_specs)
+        step = _auto_model_axes(step, diff_args, options, device_mesh)
         # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
         # resharded (an eager shard_map refuses them); in the caller's jit,
         # this jit is inlined.
         return jax.jit(step)(*(args[num] for num in mapped_nums))
 
     return accumulated
+
+
+def _param_specs_of(diff_args: tuple, data_axes: tuple[str, ...]) -> tuple:
+    """Per differentiated leaf, its Explicit ``PartitionSpec`` (``P()`` on an
+    Auto mesh, where it is not known); checked to shard over ``data_axes``
+    on at most one dimension, all of them in order, alone."""
+    specs = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(diff_args):
+        sharding = _split.explicit_sharding(jax.typeof(leaf))
+        spec = PartitionSpec() if sharding is None else sharding.spec
+        found = [
+            names
+            for names in (_split.spec_names(entry) for entry in spec)
+            if set(names) & set(data_axes)
+        ]
+        if found and found != [data_axes]:
+            label = f"args[argnums]{jax.tree_util.keystr(path[1:])}"
+            raise ValueError(
+                f"Parameter {label} of shape {jnp.shape(leaf)} is sharded "
+                f"{spec}; shard_value_and_grad shards a parameter over the data "
+                f"axes {data_axes} on one dimension, over all of them in that "
+                "order and no other axis on that dimension (e.g. P('data', "
+                "'model') for a 2-D weight). Reshard it that way, or use "
+                "jaxaccum.value_and_grad, which takes any sharding."
+            )
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _param_specs(
+    diff_args: tuple, shard_dims: tuple[int | None, ...], data_axes: tuple[str, ...]
+) -> tuple:
+    """The ``shard_map`` specs of the differentiated arguments (and of their
+    gradients): the data axes on each leaf's sharded dimension."""
+    entry = data_axes[0] if len(data_axes) == 1 else data_axes
+    leaves, treedef = jax.tree.flatten(diff_args)
+    specs = [
+        PartitionSpec()
+        if dim is None
+        else PartitionSpec(*(entry if i == dim else None for i in range(dim + 1)))
+        for dim, _ in zip(shard_dims, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, specs)
 
 
 def _per_device_options(options: AccumOptions, args: tuple, mesh: Any) -> AccumOptions:
@@ -253,26 +353,32 @@ def _shard_map(
     mapped_nums: tuple[int, ...],
     options: AccumOptions,
     mesh: Any,
+    param_specs: tuple,
 ) -> Callable[..., Any]:
     """``on_device`` under ``shard_map``: batch arguments split over the data
-    axes, the differentiated and key arguments replicated over them."""
+    axes, parameters as ``param_specs`` say (their gradients too), keys
+    replicated over them."""
     data_axes = options.data_axes
     batch_entry = data_axes[0] if len(data_axes) == 1 else data_axes
-    mapped_step = jax.shard_map(
-        on_device,
-        mesh=mesh,
-        in_specs=tuple(
-            PartitionSpec(batch_entry) if num in options.batch_nums else PartitionSpec()
-            for num in mapped_nums
-        ),
-        out_specs=PartitionSpec(),
-        axis_names=set(data_axes),
-    )
+    specs = dict(zip(options.diff_nums, param_specs, strict=True))
+    for num in options.batch_nums:
+        specs[num] = PartitionSpec(batch_entry)
 
     def step(*mapped: Any) -> Any:
+        # The context mesh: under _auto_model_axes its non-data axes are Auto.
+        context = jax.sharding.get_abstract_mesh()
+        mapped_step = jax.shard_map(
+            on_device,
+            mesh=mesh if context.empty else context,
+            in_specs=tuple(specs.get(num, PartitionSpec()) for num in mapped_nums),
+            out_specs=_out_specs(options, param_specs),
+            axis_names=set(data_axes),
+        )
         return mapped_step(
             *(
-                _fit_explicit(value, mesh, data_axes, num in options.batch_nums)
+                value
+                if num in options.diff_nums
+                else _fit_explicit(value, mesh, data_axes, num in options.batch_nums)
                 for num, value in zip(mapped_nums, mapped, strict=True)
             )
         )
@@ -280,15 +386,56 @@ def _shard_map(
     return step
 
 
+def _out_specs(options: AccumOptions, grad_specs: tuple) -> Any:
+    """Specs of the accumulated function's outputs: ``grad_specs`` (one tree
+    per differentiated argument) for the gradients, replicated otherwise."""
+    grads = grad_specs[0] if isinstance(options.argnums, int) else grad_specs
+    value = (PartitionSpec(), PartitionSpec()) if options.has_aux else PartitionSpec()
+    out_specs = (value, grads)
+    return (out_specs, PartitionSpec()) if options.report_stats else out_specs
+
+
+def _auto_model_axes(
+    step: Callable[..., Any], diff_args: tuple, options: AccumOptions, mesh: Any
+) -> Callable[..., Any]:
+    """Runs ``step`` with the Explicit mesh axes other than the data axes made
+    Auto (``jax.sharding.auto_axes``); the gradients leave sharded as the
+    parameters are.
+
+    A ``shard_map`` manual over the data axes all-gathers, at its boundary,
+    every input sharded over an Explicit axis it leaves alone, and slices it
+    again inside (measured on JAX 0.10.2: a tensor-parallel weight is moved
+    whole at every call). Over Auto axes it keeps the sharding and does not.
+    """
+    model_axes = tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit and name not in options.data_axes
+    )
+    if not model_axes:
+        return step
+    param_specs = jax.tree.map(lambda leaf: jax.typeof(leaf).sharding.spec, diff_args)
+    auto_step = jax.sharding.auto_axes(
+        step, axes=model_axes, out_sharding=_out_specs(options, param_specs)
+    )
+
+    def in_mesh(*mapped: Any) -> Any:
+        abstract = getattr(mesh, "abstract_mesh", mesh)
+        with jax.sharding.use_abstract_mesh(abstract):
+            return auto_step(*mapped)
+
+    return in_mesh
+
+
 def _fit_explicit(
     tree: Any, mesh: Any, data_axes: tuple[str, ...], split_rows: bool
 ) -> Any:
-    """Reshards leaves to what the ``shard_map`` in_specs expect, if Explicit.
+    """Reshards batch and key leaves to what the ``shard_map`` in_specs expect,
+    if Explicit.
 
     Over Explicit mesh axes ``shard_map`` does not reshard its inputs: batch
-    leaves must be sharded over exactly ``data_axes`` on axis 0, and other
-    leaves not over them (parameters sharded over a data axis are gathered).
-    Other mesh axes are kept.
+    leaves must be sharded over exactly ``data_axes`` on axis 0, and keys not
+    over them. Other mesh axes are kept.
     """
     if all(
         mesh.axis_types[mesh.axis_names.index(a)] != AxisType.Explicit
@@ -297,8 +444,7 @@ def _fit_explicit(
         return tree
 
     def without_data_axes(entry: Any) -> Any:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        kept = tuple(name for name in names if name not in data_axes)
+        kept = tuple(name for name in _split.spec_names(entry) if name not in data_axes)
         return kept[0] if len(kept) == 1 else kept or None
 
     def fit(leaf: Any) -> Any:

@@ -148,6 +148,13 @@ def explicit_sharding(aval: Any) -> NamedSharding | None:
     return None
 
 
+def spec_names(entry: Any) -> tuple[str, ...]:
+    """The mesh axis names of one ``PartitionSpec`` entry, as a tuple."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _axis0_devices(leaf: Any) -> tuple[tuple[str, ...], int]:
     """The Explicit mesh axes a leaf's axis 0 is sharded over, and their size."""
     sharding = explicit_sharding(jax.typeof(leaf))

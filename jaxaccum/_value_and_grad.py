@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import _split
+from jaxaccum._fsdp import shard_plan
 from jaxaccum._noise_scale import window_stats
 from jaxaccum._options import (
     AccumOptions,
@@ -351,8 +352,10 @@ def _inputs(args: tuple, options: AccumOptions, split: _split.Split) -> _Inputs:
     """The window's arguments by role; the batch padded, keys per device."""
     diff = tuple(args[i] for i in options.diff_nums)
     keys = tuple(args[i] for i in options.key_nums)
-    if options.data_axes:
-        diff, keys = _per_device(diff, keys, options.data_axes)
+    shards = shard_plan(options)
+    if shards is not None:
+        keys = _fold_device_index(keys, options.data_axes)
+        diff = shards.gather(shards.varying(diff), in_window=True)
     batch = _split.pad_batch(
         tuple(args[i] for i in options.batch_nums), split.padded_size
     )
@@ -364,21 +367,11 @@ def _inputs(args: tuple, options: AccumOptions, split: _split.Split) -> _Inputs:
     )
 
 
-def _per_device(
-    diff_vals: tuple, key_vals: tuple, data_axes: tuple[str, ...]
-) -> tuple[tuple, tuple]:
-    """Prepares replicated inputs for a window accumulated per device.
-
-    Parameters are cast to varying over the data axes: differentiating an
-    invariant input inside ``shard_map`` would psum its cotangent (the transpose
-    of the implicit cast) in every micro-batch's backward pass, which is what
-    deferring the reduction avoids. Keys are folded with the device's index so
-    devices draw independent randomness for their rows.
-    """
+def _fold_device_index(key_vals: tuple, data_axes: tuple[str, ...]) -> tuple:
+    """Keys folded with the device's index, so that devices draw independent
+    randomness for their rows."""
     device_index = lax.axis_index(data_axes)
-    return lax.pcast(diff_vals, data_axes, to="varying"), jax.tree.map(
-        lambda key: jax.random.fold_in(key, device_index), key_vals
-    )
+    return jax.tree.map(lambda key: jax.random.fold_in(key, device_index), key_vals)
 
 
 def _check_state(state_vals: tuple, new_state: tuple, state_nums: tuple) -> None:
@@ -425,7 +418,7 @@ def _single(
     split: _split.Split,
 ) -> WindowOut:
     """One micro-batch, no scan, the key passed unchanged: jax.value_and_grad."""
-    result = micro(*inputs)
+    result = micro(_gathered(inputs.diff, options), *inputs[1:])
     window = _window(jax.eval_shape(lambda: result), inputs, options, split)
     sums, stacked = window.add(window.zeros(), result)
     micro_stats = window.micro_stats(result, inputs.example_mask)
@@ -455,7 +448,8 @@ def _scan(
 
     def micro_at(index, micro_keys, state, mask):
         micro_batch = _split.take_microbatch(batch_view, index)
-        return micro(inputs.diff, micro_batch, micro_keys, state, mask)
+        diff = _gathered(inputs.diff, options, index)
+        return micro(diff, micro_batch, micro_keys, state, mask)
 
     first_keys = jax.tree.map(lambda k: k[0], keys)
     first = jnp.zeros((), jnp.int32)
@@ -480,6 +474,13 @@ def _scan(
         unroll=options.unroll,
     )
     return WindowOut(window.result(sums, stacked), state, micro_stats)
+
+
+def _gathered(diff: tuple, options: AccumOptions, index: Any = None) -> tuple:
+    """The parameters micro-batch ``index`` sees: those sharded over the data
+    axes and gathered per micro-batch are gathered here, inside the loop."""
+    shards = shard_plan(options, index)
+    return diff if shards is None else shards.gather(diff, in_window=False)
 
 
 def _package(out: WindowOut, options: AccumOptions) -> Any:

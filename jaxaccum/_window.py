@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxaccum._fsdp import shard_plan
 from jaxaccum._noise_scale import MicroStats
 from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
@@ -213,6 +214,7 @@ class Window:
         self.grads_shape = result_shape.grads
         self.options = options
         self.split = split
+        self.shards = shard_plan(options)
         self.aux_plan = AuxPlan(
             options.aux_reduction if options.has_aux else "mean",
             result_shape.out.aux,
@@ -244,13 +246,22 @@ class Window:
         sums = Sums(
             self._zeros(self.value_shape),
             jax.tree.map(self._zeros, self.weight_shape),
-            jax.tree.map(self._zeros, self.grads_shape),
+            (),
             self.aux_plan.init(),
         )
-        if self.options.data_axes:
-            # Per-device sums differ between devices: the carry is varying.
-            return lax.pcast(sums, self.options.data_axes, to="varying")
-        return sums
+        if self.shards is None:
+            return sums._replace(grads=jax.tree.map(self._zeros, self.grads_shape))
+        # Per-device sums differ between devices: the carry is varying, except
+        # gradients all-reduced per micro-batch, whose sums are the same on all.
+        axes, shards = self.options.data_axes, self.shards
+        sums = lax.pcast(sums, axes, to="varying")
+
+        def grad_zeros(index: int, aval: Any) -> jax.Array:
+            shape, varying = shards.accumulator(index, aval)
+            zeros = self._zeros(aval.update(shape=shape))
+            return lax.pcast(zeros, axes, to="varying") if varying else zeros
+
+        return sums._replace(grads=shards.map_leaves(grad_zeros, self.grads_shape))
 
     def add(self, sums: Sums, result: MicroResult) -> tuple[Sums, list]:
         """Adds one micro-batch's results; returns (sums, aux to stack)."""
@@ -259,10 +270,13 @@ class Window:
             return total + jnp.asarray(x).astype(total.dtype)
 
         aux_carry, stacked = self.aux_plan.update(sums.aux, result.out.aux)
+        grads = result.grads
+        if self.shards is not None:
+            grads = self.shards.reduce(grads, in_window=False)
         return Sums(
             add(sums.value, result.value),
             jax.tree.map(add, sums.weight, result.out.weight),
-            jax.tree.map(add, sums.grads, result.grads),
+            jax.tree.map(add, sums.grads, grads),
             aux_carry,
         ), stacked
 
@@ -291,10 +305,14 @@ class Window:
         """
         num_means = self.split.num_microbatches
         data_axes = self.options.data_axes
-        if data_axes:
+        if self.shards is not None:
             # Deferred reduction: each device has summed its own rows over the
-            # whole window, and this is the window's only all-reduce.
-            sums = lax.psum(sums, data_axes)
+            # whole window; gradients reduced per micro-batch are already.
+            value, weight, aux = lax.psum(
+                (sums.value, sums.weight, sums.aux), data_axes
+            )
+            grads = self.shards.reduce(sums.grads, in_window=True)
+            sums = Sums(value, weight, grads, aux)
             num_means *= lax.axis_size(data_axes)
         totals = (sums.value, sums.grads)
         if self.options.reduction == "weighted":
@@ -304,7 +322,9 @@ class Window:
         else:
             value, grads = totals
         grad_sq_norm = None
-        if self.options.report_stats:
+        if self.options.report_stats and self.shards is not None:
+            grad_sq_norm = self.shards.squared_norm(grads)
+        elif self.options.report_stats:
             grad_sq_norm = optax.tree.norm(
                 jax.tree.map(lambda g: g.astype(jnp.float32), grads), squared=True
             )

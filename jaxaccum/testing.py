@@ -1,9 +1,10 @@
 """Proof in your own tests: accumulated gradients equal the large-batch one.
 
 ``assert_grads_match_full_batch`` (built on chex), ``diagnose`` (why they
-differ when they do) and ``count_collectives`` (what a compiled step
-communicates). Imported on first use of ``jaxaccum.testing``, so ``import
-jaxaccum`` in a training step does not load chex.
+differ when they do) and ``count_collectives`` / ``collective_bytes`` /
+``find_collectives`` (what a compiled step communicates, and how much).
+Imported on first use of ``jaxaccum.testing``, so ``import jaxaccum`` in a
+training step does not load chex.
 """
 
 from typing import Any
@@ -12,18 +13,29 @@ import chex
 
 from jaxaccum._compare import accumulated_and_reference, leaf_errors
 from jaxaccum._diagnose import Cause, Diagnosis, LeafError, diagnose
-from jaxaccum._hlo import COLLECTIVES, count_collectives
+from jaxaccum._hlo import (
+    COLLECTIVES,
+    Collective,
+    collective_bytes,
+    count_collectives,
+    find_collectives,
+    window_bytes,
+)
 from jaxaccum._options import AccumOptions
 
 __all__ = [
     "COLLECTIVES",
     "Cause",
+    "Collective",
     "Diagnosis",
     "LeafError",
     "assert_grads_match_full_batch",
+    "collective_bytes",
     "count_collectives",
     "diagnose",
+    "find_collectives",
     "leaf_errors",
+    "window_bytes",
 ]
 
 

@@ -11,6 +11,7 @@ import sys
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import mlp_loss
@@ -68,6 +69,29 @@ def main(port: int, process_id: int, num_processes: int, out: str) -> None:
             for path, grad in jax.tree_util.tree_leaves_with_path(grads):
                 key = f"{name}/grads{jax.tree_util.keystr(path)}"
                 results[key] = np.asarray(grad.addressable_data(0))
+        # FSDP: every parameter but the last bias sharded over "data"; each
+        # process builds only its devices' blocks.
+        specs = [
+            {"w": P(None, "data"), "b": P("data")},
+            {"w": P("data", None), "b": P()},
+        ]
+        fsdp = jax.tree.map(
+            lambda x, spec: jax.make_array_from_callback(
+                x.shape, NamedSharding(mesh, spec), lambda index: x[index]
+            ),
+            params,
+            specs,
+        )
+        with jax.set_mesh(mesh):
+            step = jaxaccum.shard_value_and_grad(mlp_loss, NUM_MICROBATCHES)
+            value, grads = jax.jit(step)(fsdp, global_batch)
+        results["fsdp/value"] = np.asarray(value.addressable_data(0))
+        for path, grad in jax.tree_util.tree_leaves_with_path(grads):
+            key = f"fsdp/grads{jax.tree_util.keystr(path)}"
+            results[key] = multihost_utils.process_allgather(grad, tiled=True)
+            results[f"fsdp/spec{jax.tree_util.keystr(path)}"] = np.asarray(
+                str(grad.sharding.spec)
+            )
         results["device_count"] = np.asarray(jax.device_count())
         np.savez(out, **results)
     finally:

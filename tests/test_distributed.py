@@ -67,7 +67,8 @@ def _free_port() -> int:
 
 
 def test_two_processes_match_single_process_full_batch(tmp_path):
-    """2 processes x 2 CPU devices, each feeding its own rows, over 127.0.0.1."""
+    """2 processes x 2 CPU devices, each feeding its own rows, over 127.0.0.1;
+    replicated parameters, then FSDP ones (sharded over the 4 devices)."""
     from multiprocess_worker import problem
 
     port, num_processes = _free_port(), 2
@@ -108,7 +109,10 @@ def test_two_processes_match_single_process_full_batch(tmp_path):
     for i, output in enumerate(outputs):
         with np.load(output) as results:
             assert int(results["device_count"]) == 4
-            for mode in ("deferred", "per_microbatch"):
+            # FSDP gradients come back sharded like their parameters.
+            assert str(results["fsdp/spec[0]['w']"]) == "P(None, 'data')"
+            assert str(results["fsdp/spec[1]['w']"]) == "P('data', None)"
+            for mode in ("deferred", "per_microbatch", "fsdp"):
                 actual = {key: results[f"{mode}/{key}"] for key in expected}
                 try:
                     chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)

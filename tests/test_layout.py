@@ -129,7 +129,14 @@ def test_options_are_one_frozen_object_whose_allowed_values_are_derived():
         field.name for field in _options.dataclasses.fields(_options.AccumOptions)
     }
     keywords = set(inspect.signature(jaxaccum.value_and_grad).parameters) - {"fun"}
-    assert keywords <= fields and fields - keywords == {"data_axes"}
+    sharded = {"param_gather", "grad_reduce", "gather_dtype"}
+    per_call = {"data_axes", "param_specs"}  # set by shard_value_and_grad
+    assert keywords <= fields and fields - keywords == sharded | per_call
+    shard_signature = inspect.signature(jaxaccum.shard_value_and_grad).parameters
+    for name in sharded:
+        assert shard_signature[name].default == getattr(
+            _options.AccumOptions(1), name
+        ), name
     defaults = {
         f.name: f.default for f in _options.dataclasses.fields(_options.AccumOptions)
     }
