@@ -76,10 +76,7 @@ def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
       >>> counts["all-reduce"]  # one device: nothing to reduce
       {'loop': 0, 'outside': 0}
     """
-    counts = {op: {"loop": 0, "outside": 0} for op in COLLECTIVES}
-    for collective in find_collectives(compiled):
-        counts[collective.op]["loop" if collective.in_loop else "outside"] += 1
-    return counts
+    return _tally(compiled, lambda collective: 1)
 
 
 def collective_bytes(compiled: Any) -> dict[str, dict[str, int]]:
@@ -103,10 +100,15 @@ def collective_bytes(compiled: Any) -> dict[str, dict[str, int]]:
       ...     step.lower(jnp.ones(3), jnp.ones((4, 3))).compile())["all-reduce"]
       {'loop': 0, 'outside': 0}
     """
+    return _tally(compiled, lambda collective: collective.bytes)
+
+
+def _tally(compiled: Any, amount: Any) -> dict[str, dict[str, int]]:
+    """``amount(collective)`` summed per op, inside loops and outside."""
     totals = {op: {"loop": 0, "outside": 0} for op in COLLECTIVES}
     for collective in find_collectives(compiled):
-        totals[collective.op]["loop" if collective.in_loop else "outside"] += (
-            collective.bytes
+        totals[collective.op]["loop" if collective.in_loop else "outside"] += amount(
+            collective
         )
     return totals
 
