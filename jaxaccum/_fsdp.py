@@ -57,6 +57,20 @@ class ShardPlan(NamedTuple):
             treedef, [fun(index, leaf) for index, leaf in enumerate(leaves)]
         )
 
+    def data_specs(self, diff: Any) -> Any:
+        """The ``shard_map`` specs of the differentiated arguments (and of
+        their gradients): the data axes on each leaf's sharded dimension."""
+        axes = self.data_axes
+        entry = axes[0] if len(axes) == 1 else axes
+
+        def spec(index: int, leaf: Any) -> PartitionSpec:
+            dim = self.dims[index]
+            if dim is None:
+                return PartitionSpec()
+            return PartitionSpec(*(entry if i == dim else None for i in range(dim + 1)))
+
+        return self.map_leaves(spec, diff)
+
     def varying(self, diff: Any) -> Any:
         """Casts the leaves not sharded over the data axes to varying.
 

@@ -282,7 +282,7 @@ def shard_value_and_grad(
 
         shards = shard_plan(call_options)
         assert shards is not None  # data_axes is never empty here
-        grad_specs = _param_specs(diff_args, shards.dims, options.data_axes)
+        grad_specs = shards.data_specs(diff_args)
         step = _shard_map(on_device, mapped_nums, options, device_mesh, grad_specs)
         step = _auto_model_axes(step, diff_args, options, device_mesh)
         # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
@@ -318,22 +318,6 @@ def _param_specs_of(diff_args: tuple, data_axes: tuple[str, ...]) -> tuple:
             )
         specs.append(spec)
     return tuple(specs)
-
-
-def _param_specs(
-    diff_args: tuple, shard_dims: tuple[int | None, ...], data_axes: tuple[str, ...]
-) -> tuple:
-    """The ``shard_map`` specs of the differentiated arguments (and of their
-    gradients): the data axes on each leaf's sharded dimension."""
-    entry = data_axes[0] if len(data_axes) == 1 else data_axes
-    leaves, treedef = jax.tree.flatten(diff_args)
-    specs = [
-        PartitionSpec()
-        if dim is None
-        else PartitionSpec(*(entry if i == dim else None for i in range(dim + 1)))
-        for dim, _ in zip(shard_dims, leaves, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, specs)
 
 
 def _per_device_options(options: AccumOptions, args: tuple, mesh: Any) -> AccumOptions:
