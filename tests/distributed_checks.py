@@ -8,15 +8,14 @@ single-device full-batch gradient (chex, rtol=1e-5, atol=1e-6) and reads the
 collectives of its compiled HLO.
 """
 
-import json
 import sys
-import traceback
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from check_scripts import report
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import classification_batch, mlp_apply, mlp_loss, mlp_params
@@ -317,17 +316,7 @@ def run(name):
 
 
 def main():
-    assert jax.device_count() == NUM_DEVICES, (
-        f"{jax.device_count()} devices; run with "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={NUM_DEVICES}"
-    )
-    results = {}
-    for name in CHECKS:
-        try:
-            results[name] = {"ok": True, "detail": run(name)}
-        except Exception:  # report every check, not just the first failure
-            results[name] = {"ok": False, "detail": traceback.format_exc()}
-    print(json.dumps(results))
+    report(CHECKS, run, NUM_DEVICES)
 
 
 if __name__ == "__main__":

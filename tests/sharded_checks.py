@@ -9,13 +9,12 @@ compiled HLO is read for what it communicates. Prints one JSON object,
 ``{check name: {"ok": bool, "detail": str}}``, as the last line of stdout.
 """
 
-import json
 import sys
-import traceback
 
 import chex
 import jax
 import jax.numpy as jnp
+from check_scripts import report
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -317,14 +316,7 @@ def run(name):
 
 
 def main():
-    assert jax.device_count() == 8, "run with --xla_force_host_platform_device_count=8"
-    results = {}
-    for name in sys.argv[1:] or CHECKS:
-        try:
-            results[name] = {"ok": True, "detail": run(name)}
-        except Exception:  # report every check, not just the first failure
-            results[name] = {"ok": False, "detail": traceback.format_exc()}
-    print(json.dumps(results))
+    report(CHECKS, run, 8)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,6 @@ talking over 127.0.0.1. Tolerances (float32): rtol=1e-5, atol=1e-6 against the
 single-device full-batch gradient.
 """
 
-import json
-import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -19,39 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from check_scripts import TESTS, device_env, run_script
 from distributed_checks import CHECKS
 from models import classification_batch, mlp_loss, mlp_loss_with_aux, mlp_params
 
 import jaxaccum
 
 RTOL, ATOL = 1e-5, 1e-6
-TESTS = pathlib.Path(__file__).parent
-
-
-def _env(num_devices: int) -> dict:
-    return {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
 
 
 @pytest.fixture(scope="module")
 def eight_devices() -> dict:
     """Runs every 8-device check in one subprocess; returns their results."""
-    process = subprocess.run(
-        [sys.executable, str(TESTS / "distributed_checks.py")],
-        env=_env(8),
-        cwd=TESTS,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert process.returncode == 0, (
-        f"distributed_checks.py exited with {process.returncode}:\n"
-        f"{process.stderr[-4000:]}"
-    )
-    return json.loads(process.stdout.strip().splitlines()[-1])
+    return run_script("distributed_checks.py", num_devices=8, timeout=300)
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -83,7 +60,7 @@ def test_two_processes_match_single_process_full_batch(tmp_path):
                 str(num_processes),
                 str(outputs[i]),
             ],
-            env=_env(2),
+            env=device_env(2),
             cwd=TESTS,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
