@@ -169,7 +169,7 @@ def diagnose(
     Returns:
       A :class:`Diagnosis`; ``print`` it for the report.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
       >>> def loss(w, x):                # a sum, but reduction="mean"
@@ -505,7 +505,7 @@ def _batch_dependent_cause(
         f"B/{num} examples, so no single-pass accumulation reproduces the full "
         "batch. Use "
         "GroupNorm or LayerNorm to match it exactly, or accept micro-batch "
-        "statistics (README, section Flax).",
+        "statistics (docs/guides/flax.md).",
     )
 
 

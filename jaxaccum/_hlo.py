@@ -67,7 +67,7 @@ def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
       ``{op: {"loop": count, "outside": count}}`` for each op in
       :data:`COLLECTIVES`.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
       >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
@@ -92,7 +92,7 @@ def collective_bytes(compiled: Any) -> dict[str, dict[str, int]]:
       ``{op: {"loop": bytes, "outside": bytes}}`` for each op in
       :data:`COLLECTIVES`.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
       >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))

@@ -142,7 +142,7 @@ class MultiSteps:
     `jax.vmap` with a batched state, `jax.lax.cond` becomes a select, so
     every call pays for the wrapped update; results are the same.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jaxaccum
@@ -500,7 +500,7 @@ def accumulate(
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       `MultiStepsState` and whose ``update`` accepts ``weight=``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jaxaccum

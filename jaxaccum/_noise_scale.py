@@ -177,7 +177,7 @@ class NoiseScaleEMA:
     and :meth:`noise_scale` divides the averages. Windows with a NaN or
     infinite estimate (one micro-batch, a non-finite gradient) are skipped.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jaxaccum
       >>> ema = jaxaccum.NoiseScaleEMA(decay=0.9)

@@ -48,7 +48,7 @@ def masked_sum(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array
     Returns:
       ``(loss_sum, weight)``, float32 scalars for float32 inputs.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jaxaccum
       >>> losses = jnp.array([[1.0, 2.0, jnp.nan], [3.0, 4.0, 5.0]])

@@ -88,7 +88,7 @@ def shard_batch(
     Returns:
       A pytree like ``local_batch`` of global ``jax.Array`` s.
 
-    Example:
+    Examples:
       >>> import jax, numpy as np
       >>> import jaxaccum
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -239,7 +239,7 @@ def shard_value_and_grad(
       ``report_stats``, ``(that, stats)``): gradients sharded as the
       parameters, everything else replicated.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
       >>> import jaxaccum
       >>> def loss(params, batch):

@@ -246,7 +246,7 @@ def split_batch(batch: Any, num_microbatches: int) -> Any:
     Returns:
       A pytree like ``batch`` whose leaves have shape ``(N, B // N, ...)``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jaxaccum
       >>> jaxaccum.split_batch(jnp.arange(6), 2)

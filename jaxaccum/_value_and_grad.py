@@ -136,7 +136,7 @@ def value_and_grad(
       has the structure of ``args[argnums]`` (a tuple of them if ``argnums``
       is a sequence).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> import jaxaccum
       >>> def loss(params, batch):
@@ -179,7 +179,7 @@ def grad(
     (``report_stats``), all that and the :class:`FiniteReport`
     (:class:`WindowStats`). All arguments are those of :func:`value_and_grad`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jaxaccum
       >>> loss = lambda w, x: jnp.mean(x @ w)

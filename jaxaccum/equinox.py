@@ -122,7 +122,7 @@ def filter_value_and_grad(
       ``state_argnums``, ``(that, new_state)``; with ``report_finite`` or
       ``report_stats``, ``(out, report)``. Use it under ``eqx.filter_jit``.
 
-    Example:
+    Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp
       >>> import jaxaccum.equinox
       >>> model = eqx.nn.MLP(3, 1, width_size=8, depth=2, key=jax.random.key(0))
@@ -155,7 +155,7 @@ def filter_grad(
     gradients alone (``(grads, aux)`` with ``has_aux``, as ``eqx.filter_grad``
     returns them). Its arguments are :func:`filter_value_and_grad`'s.
 
-    Example:
+    Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp
       >>> import jaxaccum.equinox
       >>> model = eqx.nn.Linear(3, 1, key=jax.random.key(0))
@@ -182,7 +182,7 @@ def filter_assert_grads_match_full_batch(
     loss ``fun(model, *args)``: its inexact-array leaves are compared, named by
     their path in the model (e.g. ``['grads'].layers[0].weight``).
 
-    Example:
+    Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp
       >>> import jaxaccum.equinox
       >>> model = eqx.nn.MLP(3, 1, width_size=8, depth=2, key=jax.random.key(0))

@@ -44,6 +44,14 @@ from jaxaccum._value_and_grad import make_accumulated
 if TYPE_CHECKING:
     from jaxaccum._diagnose import Diagnosis
 
+__all__ = [
+    "linen_diagnose",
+    "linen_train_step",
+    "linen_value_and_grad",
+    "nnx_diagnose",
+    "nnx_value_and_grad",
+]
+
 _ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
 
 
@@ -118,7 +126,7 @@ def linen_value_and_grad(
       the window, as ``apply`` returns them; with ``report_finite`` or
       ``report_stats``, ``(all that, report)``.
 
-    Example:
+    Examples:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
       >>> import jaxaccum.flax
       >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False), nn.Dense(1)])
@@ -249,7 +257,7 @@ def linen_diagnose(
     Returns:
       A :class:`jaxaccum.testing.Diagnosis`; ``print`` it for the report.
 
-    Example:
+    Examples:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
       >>> import jaxaccum.flax
       >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False), nn.Dense(1)])
@@ -320,7 +328,7 @@ def linen_train_step(
       or ``report_stats``, the report last: ``(new_state, loss, report)``).
       Wrap it in ``jax.jit``.
 
-    Example:
+    Examples:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, optax
       >>> from flax.training import train_state
       >>> import jaxaccum.flax
@@ -424,7 +432,7 @@ def nnx_value_and_grad(
       ``report_stats``, ``(that, report)``. The model's other state is
       updated in place.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> from flax import nnx
       >>> import jaxaccum.flax
@@ -500,7 +508,7 @@ def nnx_diagnose(
     Returns:
       A :class:`jaxaccum.testing.Diagnosis`; ``print`` it for the report.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import jaxaccum.flax

@@ -69,7 +69,7 @@ def assert_grads_match_full_batch(
       AssertionError: naming the worst leaf, its max absolute and relative
         error and ``N``, followed by chex's report.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jaxaccum
       >>> loss = lambda w, x: jnp.mean(jnp.tanh(x @ w))

@@ -114,7 +114,7 @@ def setup(layout, axis_type):
 
 def compiled_step(fun, mesh, specs, args, axis_type):
     """jit(fun) on ``args``; on an Auto mesh the shardings are declared with
-    jax.sharding.explicit_axes, as the README says to."""
+    jax.sharding.explicit_axes, as docs/guides/distributed.md says to."""
     with jax.set_mesh(mesh):
         if axis_type == "auto":
             fun = jax.sharding.explicit_axes(fun, in_sharding=(specs, P("data")))

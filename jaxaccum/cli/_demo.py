@@ -243,7 +243,7 @@ def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
     console.print(
         f"Effective batch {args.batch_size}; gradient noise scale B_simple of the "
         f"trained model {noise_scale:,.0f} examples, {meaning} (McCandlish et "
-        "al. 2018; README, 'Is the big batch worth it?')."
+        "al. 2018; docs/guides/noise-scale.md)."
     )
     return noise_scale
 
