@@ -9,6 +9,18 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
+from jaxaccum._growth import BatchRamp as BatchRamp
+from jaxaccum._growth import BatchRampState as BatchRampState
+from jaxaccum._growth import LearningRateRule as LearningRateRule
+from jaxaccum._growth import NoiseScaleBatch as NoiseScaleBatch
+from jaxaccum._growth import NoiseScaleBatchState as NoiseScaleBatchState
+from jaxaccum._growth import ScaleByBatchState as ScaleByBatchState
+from jaxaccum._growth import batch_ramp as batch_ramp
+from jaxaccum._growth import batch_scale as batch_scale
+from jaxaccum._growth import noise_scale_batch as noise_scale_batch
+from jaxaccum._growth import (
+    scale_by_batch_learning_rate as scale_by_batch_learning_rate,
+)
 from jaxaccum._hlo import collective_bytes as collective_bytes
 from jaxaccum._hlo import count_collectives as count_collectives
 from jaxaccum._hlo import window_bytes as window_bytes
@@ -29,6 +41,7 @@ from jaxaccum._plan import plan_modes as plan_modes
 from jaxaccum._reduce import masked_sum as masked_sum
 from jaxaccum._shard import shard_batch as shard_batch
 from jaxaccum._shard import shard_value_and_grad as shard_value_and_grad
+from jaxaccum._split import pad_microbatches as pad_microbatches
 from jaxaccum._split import split_batch as split_batch
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
@@ -40,7 +53,10 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("jaxaccum")
 
 __all__ = [
+    "BatchRamp",
+    "BatchRampState",
     "FiniteReport",
+    "LearningRateRule",
     "MemoryPlan",
     "MemoryPlanRow",
     "ModePlan",
@@ -48,16 +64,24 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "NoiseEstimates",
+    "NoiseScaleBatch",
+    "NoiseScaleBatchState",
     "NoiseScaleEMA",
     "NoiseScaleState",
+    "ScaleByBatchState",
     "accumulate",
+    "batch_ramp",
+    "batch_scale",
     "collective_bytes",
     "count_collectives",
     "grad",
     "masked_sum",
+    "noise_scale_batch",
+    "pad_microbatches",
     "parse_memory_budget",
     "plan",
     "plan_modes",
+    "scale_by_batch_learning_rate",
     "shard_batch",
     "shard_value_and_grad",
     "split_batch",

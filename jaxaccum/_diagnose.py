@@ -30,7 +30,18 @@ _MAX_LEAVES_SHOWN = 20
 
 
 class LeafError(NamedTuple):
-    """Largest error of one leaf of ``{"value": ..., "grads": ...}``."""
+    """Largest error of one leaf of ``{"value": ..., "grads": ...}``.
+
+    :class:`Diagnosis` lists one per leaf, largest relative error first.
+
+    Attributes:
+      path: the leaf's path, as ``jax.tree_util.keystr`` writes it
+        (``"['grads']['w']"``).
+      max_abs_error: the largest absolute difference between the accumulated
+        and the full-batch leaf.
+      max_rel_error: ``max_abs_error`` divided by the full-batch leaf's largest
+        absolute value.
+    """
 
     path: str
     max_abs_error: float

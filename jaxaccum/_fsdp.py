@@ -10,7 +10,9 @@ local (unreduced) gradient; it is reduce-scattered over the data axes, either
 every micro-batch into an accumulator of the shard's size (``"microbatch"``) or
 once after the loop from a whole-size accumulator (``"window"``). Parameters
 not sharded over the data axes are never gathered, and their gradients are
-all-reduced (``psum``) at the time ``grad_reduce`` says.
+all-reduced (``psum``) at the time ``grad_reduce`` says. Every gradient
+reduction runs in the accumulation dtype (float32 by default), whatever the
+parameter's: a bfloat16 cross-device sum would round at every step of it.
 """
 
 from typing import Any, NamedTuple
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxaccum._noise_scale import squared_norm
 from jaxaccum._options import AccumOptions
 from jaxaccum._split import spec_names
 
@@ -36,6 +39,7 @@ class ShardPlan(NamedTuple):
         only meaningful where ``dims`` is not None.
       reduce_in_window: reduced once after the loop (else per micro-batch).
       gather_dtype: dtype to gather in (None: the parameter's own).
+      accum_dtype: dtype gradients are reduced in (at least; None: their own).
       step: the micro-batch loop's index (inside the loop), or a constant.
     """
 
@@ -45,6 +49,7 @@ class ShardPlan(NamedTuple):
     gather_in_window: tuple[bool, ...]
     reduce_in_window: tuple[bool, ...]
     gather_dtype: Any
+    accum_dtype: Any
     step: Any
 
     def map_leaves(self, fun: Any, tree: Any) -> Any:
@@ -124,6 +129,12 @@ class ShardPlan(NamedTuple):
         )(x)
 
     def _reduce(self, index: int, grad: jax.Array) -> jax.Array:
+        """Sums leaf ``index``'s gradient over the data axes (scattered like
+        its parameter if that is sharded over them), in the accumulation dtype:
+        a bfloat16 gradient is cast up before the collective, not after, so
+        the cross-device sum does not round to 8 bits at each step."""
+        if self.accum_dtype is not None:
+            grad = grad.astype(jnp.promote_types(grad.dtype, self.accum_dtype))
         dim = self.dims[index]
         if dim is None:
             return lax.psum(grad, self.data_axes)
@@ -160,12 +171,12 @@ class ShardPlan(NamedTuple):
         return tuple(shape), True
 
     def squared_norm(self, grads: Any) -> jax.Array:
-        """The float32 squared norm of reduced gradients: shards' squares are
-        summed over the data axes, whole leaves' are not."""
+        """The float32 squared norm of reduced gradients (``real(x conj(x))``):
+        shards' squares are summed over the data axes, whole leaves' are not."""
         sharded: list[jax.Array] = []
         whole: list[jax.Array] = []
         for dim, grad in zip(self.dims, jax.tree.leaves(grads), strict=True):
-            squares = jnp.sum(jnp.square(grad.astype(jnp.float32)))
+            squares = squared_norm(grad)  # complex leaves included
             (whole if dim is None else sharded).append(squares)
         total = jnp.sum(jnp.stack(whole)) if whole else jnp.float32(0)
         if sharded:
@@ -216,5 +227,6 @@ def shard_plan(options: AccumOptions, step: Any = None) -> ShardPlan | None:
             for dim in dims
         ),
         gather_dtype=options.gather_dtype,
+        accum_dtype=options.accum_dtype,
         step=jnp.zeros((), jnp.int32) if step is None else step,
     )

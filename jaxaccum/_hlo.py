@@ -11,6 +11,8 @@ COLLECTIVES = (
     "all-to-all",
     "collective-permute",
 )
+"""The collective ops counted, by their HLO names (an async ``-start``
+variant counts as its op)."""
 # A computation's first line: unindented, ending in "{" (optimised HLO names
 # carry a %, the HLO JAX emits does not).
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\b.*\{\s*$")
@@ -40,6 +42,9 @@ class Collective(NamedTuple):
         for a reduce-scatter (whose input is that many result-sized pieces).
         So an all-reduce, an all-gather and a reduce-scatter of one whole
         gradient each count that gradient's bytes once.
+      dtypes: the element type of each result array, e.g. ``("f32",)``: the
+        precision the collective runs in (a sum of ``bf16`` arrays rounds
+        to 8 bits at each step).
     """
 
     op: str
@@ -47,6 +52,7 @@ class Collective(NamedTuple):
     shapes: tuple[str, ...]
     group_size: int | None
     bytes: int
+    dtypes: tuple[str, ...]
 
 
 def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
@@ -88,6 +94,9 @@ def collective_bytes(compiled: Any) -> dict[str, dict[str, int]]:
     counts :attr:`Collective.bytes`, the per-device data it combines, read
     from the HLO's shapes.
 
+    Args:
+      compiled: a compiled step, ``jax.jit(step).lower(*args).compile()``.
+
     Returns:
       ``{op: {"loop": bytes, "outside": bytes}}`` for each op in
       :data:`COLLECTIVES`.
@@ -114,19 +123,55 @@ def _tally(compiled: Any, amount: Any) -> dict[str, dict[str, int]]:
 
 
 def window_bytes(compiled: Any, num_microbatches: int) -> int:
-    """Bytes all collectives of an accumulated step move in one window:
-    those outside the loop once, those inside ``num_microbatches`` times.
+    """Bytes all collectives of an accumulated step move in one window.
+
+    Those outside the loop count once, those inside it ``num_microbatches``
+    times: ``outside + N * loop`` of :func:`collective_bytes`, summed over the
+    ops of :data:`COLLECTIVES`.
 
     Assumes the step's only loop is the micro-batch loop (a loss with loops
     of its own would count their collectives ``num_microbatches`` times too).
+
+    Args:
+      compiled: a compiled step, ``jax.jit(step).lower(*args).compile()``.
+      num_microbatches: N, the window's number of micro-batches.
+
+    Returns:
+      The bytes, per device, that the window's collectives move (an int).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxaccum
+      >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
+      >>> compiled = step.lower(jnp.ones(3), jnp.ones((4, 3))).compile()
+      >>> jaxaccum.window_bytes(compiled, num_microbatches=2)  # one device
+      0
     """
     totals = collective_bytes(compiled).values()
     return sum(t["outside"] + num_microbatches * t["loop"] for t in totals)
 
 
 def find_collectives(compiled: Any) -> list[Collective]:
-    """Every collective instruction of a compiled program (its optimised
-    HLO), with its place, result shapes, group size and bytes."""
+    """Every collective instruction of a compiled program.
+
+    Reads the optimised HLO: each instruction of :data:`COLLECTIVES`, with its
+    place (inside a loop or outside), result shapes, group size, bytes and
+    dtypes.
+
+    Args:
+      compiled: a compiled program, ``jax.jit(f).lower(*args).compile()``.
+
+    Returns:
+      A list of :class:`Collective`, in the HLO's order.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxaccum, jaxaccum.testing
+      >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
+      >>> compiled = step.lower(jnp.ones(3), jnp.ones((4, 3))).compile()
+      >>> jaxaccum.testing.find_collectives(compiled)  # one device: none
+      []
+    """
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     bodies = _computations(text)
     in_loop = _loop_computations(bodies)
@@ -145,7 +190,10 @@ def find_collectives(compiled: Any) -> list[Collective]:
             if op == "reduce-scatter" and group_size:
                 size *= group_size
             shapes = tuple(f"{dtype}[{dims}]" for dtype, dims in arrays)
-            found.append(Collective(op, name in in_loop, shapes, group_size, size))
+            dtypes = tuple(dtype for dtype, _ in arrays)
+            found.append(
+                Collective(op, name in in_loop, shapes, group_size, size, dtypes)
+            )
     return found
 
 

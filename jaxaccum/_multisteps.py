@@ -11,6 +11,10 @@ methods and state field names). It differs in cost and exactness:
 - An optional ``weight`` per call (e.g. the number of tokens in the
   micro-batch) makes the window emit ``sum(w * g) / sum(w)``, the token-exact
   mean, through the same normalisation as `jaxaccum.value_and_grad`.
+- The window's length can come from outside the state, traced: ``every_k=``
+  on ``update`` (e.g. a batch-size controller's ``num_microbatches``), and
+  :meth:`MultiSteps.window_stats` hands the controller what the window
+  measured. One compiled step serves windows of every length.
 """
 
 import numbers
@@ -21,8 +25,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum._noise_scale import NoiseEstimates, estimate
+from jaxaccum._noise_scale import (
+    NoiseEstimates,
+    WindowStats,
+    estimate,
+    in_stats_precision,
+    squared_norm,
+)
 from jaxaccum._reduce import divide_by_total_weight
+from jaxaccum._window import accum_dtype_for
 
 EveryKSchedule = int | Callable[[jax.Array], jax.typing.ArrayLike]
 
@@ -51,6 +62,9 @@ class MultiStepsState(NamedTuple):
         sum of ``weight * |gradient|^2`` over calls (reset like ``acc_grads``)
         and the squared norm of the last emitted window's mean gradient;
         ``()`` without.
+      window_calls: with ``track_noise_scale``, int32: the window's accepted
+        calls of non-zero weight, the ``N`` of :meth:`MultiSteps.window_stats`
+        (reset like ``acc_grads``); ``()`` without.
     """
 
     mini_step: jax.Array
@@ -60,6 +74,17 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
     acc_weight: jax.Array | float = 0.0
     acc_sq_norm: Any = ()
+    window_calls: Any = ()
+
+
+class _WindowSums(NamedTuple):
+    """The window's sums after a call, lazily reset like ``acc_grads``; the
+    last two with ``track_noise_scale`` only, ``()`` without."""
+
+    acc_grads: Any
+    acc_weight: jax.Array
+    running_sq_norm: Any
+    window_calls: Any
 
 
 def _never_skip(
@@ -71,14 +96,23 @@ def _never_skip(
     return jnp.array(False), ()
 
 
-def _check_every_k(every_k: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
-    """Rejects schedules whose value is not an integer scalar."""
+def _check_every_k(
+    every_k: jax.typing.ArrayLike, source: str, hint: str
+) -> jax.typing.ArrayLike:
+    """Rejects a window length that is not an integer scalar, or a concrete
+    one below 1; ``source`` names where it came from, ``hint`` the fix."""
+    if isinstance(every_k, bool):
+        raise TypeError(f"{source} must be an integer scalar, got a bool. {hint}")
     dtype, shape = jnp.result_type(every_k), jnp.shape(every_k)
     if not jnp.issubdtype(dtype, jnp.integer) or shape != ():
         raise TypeError(
-            "every_k_schedule(gradient_step) must return an integer scalar, got "
-            f"dtype {dtype} and shape {shape}. Return e.g. "
-            "jnp.where(gradient_step < 100, 1, 4)."
+            f"{source} must be an integer scalar, got dtype {dtype} and shape "
+            f"{shape}. {hint}"
+        )
+    if not isinstance(every_k, jax.core.Tracer) and int(jnp.asarray(every_k)) < 1:
+        raise ValueError(
+            f"{source} must be >= 1 calls per window, got "
+            f"{int(jnp.asarray(every_k))}. {hint}"
         )
     return every_k
 
@@ -130,17 +164,14 @@ class MultiSteps:
     pass that adds the gradient into the accumulator in place and one that
     adds the (zero) updates to the params in place; the inner state passes
     through the ``lax.cond`` untouched, and nothing parameter-sized is
-    allocated: on 12M float32 Adam parameters it costs 0.16-0.24x of
-    ``optax.MultiSteps`` in optax's fastest configuration (which is without
-    donation: donating makes optax's step ~2.3x slower on XLA CPU), and the
-    emitting call 0.67-0.91x. Without donation every output needs a fresh
-    buffer and XLA copies the inner state before the ``cond``: mid-window
-    0.60-0.92x, the emitting call ~1.25x (it reads ``mu`` and ``nu`` twice).
-    If you jit ``update`` alone, donate the gradients together with the
-    state: JAX pairs donated inputs with outputs of the same shape in order,
-    and ``updates`` comes first. Figures: ``benchmarks/README.md``. Under
-    `jax.vmap` with a batched state, `jax.lax.cond` becomes a select, so
-    every call pays for the wrapped update; results are the same.
+    allocated. Without donation every output needs a fresh buffer, and XLA
+    copies the inner state before the ``cond``. If you jit ``update`` alone,
+    donate the gradients together with the state: JAX pairs donated inputs
+    with outputs of the same shape in order, and ``updates`` comes first. The
+    measured cost against ``optax.MultiSteps``, donated and not, is in
+    ``benchmarks/README.md`` (section "MultiSteps"). Under ``jax.vmap`` with a
+    batched state, ``jax.lax.cond`` becomes a select, so every call pays for
+    the wrapped update; results are the same.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -161,7 +192,7 @@ class MultiSteps:
     def __init__(
         self,
         opt: optax.GradientTransformation,
-        every_k_schedule: EveryKSchedule,
+        every_k_schedule: EveryKSchedule | None,
         use_grad_mean: bool = True,
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
@@ -174,7 +205,8 @@ class MultiSteps:
           every_k_schedule: calls per window; an int >= 1, or a function of the
             int32 ``gradient_step`` returning an integer scalar (a batch-size
             ramp). It is evaluated once per window, so it may change between
-            windows only.
+            windows only. A call that passes ``every_k=`` to ``update`` uses
+            that instead; None requires every call to pass it.
           use_grad_mean: if True (default), emit the window's weighted mean
             gradient ``sum(w * g) / sum(w)`` (``w = 1`` without ``weight``);
             otherwise emit the sum ``sum(w * g)``.
@@ -183,21 +215,24 @@ class MultiSteps:
             ``optax.skip_large_updates``). A call it rejects leaves every field
             of the state except ``skip_state`` bitwise unchanged and returns
             zeros.
-          accumulator_dtype: dtype of ``acc_grads``; float32 by default, so that
-            bfloat16 / float16 gradients are summed in float32. None uses the
+          accumulator_dtype: the least precise dtype of ``acc_grads``; float32
+            by default, so that bfloat16 / float16 gradients are summed in
+            float32. Each leaf accumulates in its param's dtype promoted to it
+            (float64 stays float64, complex64 stays complex). None uses the
             params' dtype.
           track_noise_scale: keep one more float32 scalar in the state, the
             window's sum of squared call-gradient norms, from which
             :meth:`noise_estimates` gives the gradient noise scale after each
             emitting call.
         """
-        if not callable(every_k_schedule):
+        if every_k_schedule is not None and not callable(every_k_schedule):
             if isinstance(every_k_schedule, bool) or not isinstance(
                 every_k_schedule, numbers.Integral
             ):
                 raise TypeError(
                     "every_k_schedule must be an int or a function of "
-                    f"gradient_step, got {type(every_k_schedule).__name__}."
+                    f"gradient_step, got {type(every_k_schedule).__name__}; "
+                    "or None, with update(..., every_k=...) on every call."
                 )
             every_k_schedule = int(every_k_schedule)
             if every_k_schedule < 1:
@@ -217,10 +252,30 @@ class MultiSteps:
         """The wrapped optimizer, with extra-args support."""
         return self._opt
 
-    def _every_k(self, gradient_step: jax.Array) -> jax.typing.ArrayLike:
+    def _window_length(
+        self, gradient_step: jax.Array, every_k: jax.typing.ArrayLike | None
+    ) -> jax.typing.ArrayLike:
+        """The current window's length: ``every_k`` if the call passes it,
+        else the schedule's value at ``gradient_step``."""
+        if every_k is not None:
+            return _check_every_k(
+                every_k,
+                "every_k",
+                "Pass e.g. every_k=controller_state.num_microbatches.",
+            )
+        if self._every_k_schedule is None:
+            raise TypeError(
+                "MultiSteps(every_k_schedule=None) takes the window length from "
+                "each call: update(..., every_k=num_calls), e.g. "
+                "every_k=controller_state.num_microbatches."
+            )
         if isinstance(self._every_k_schedule, int):
             return self._every_k_schedule
-        return _check_every_k(self._every_k_schedule(gradient_step))
+        return _check_every_k(
+            self._every_k_schedule(gradient_step),
+            "every_k_schedule(gradient_step)",
+            "Return e.g. jnp.where(gradient_step < 100, 1, 4).",
+        )
 
     def init(self, params: optax.Params) -> MultiStepsState:
         """Returns the state at the start of the first window.
@@ -239,10 +294,16 @@ class MultiSteps:
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
             inner_opt_state=self._opt.init(params),
-            acc_grads=optax.tree.zeros_like(params, dtype=self._accumulator_dtype),
+            acc_grads=jax.tree.map(
+                lambda param: jnp.zeros_like(
+                    param, accum_dtype_for(param.dtype, self._accumulator_dtype)
+                ),
+                params,
+            ),
             skip_state=skip_state,
             acc_weight=jnp.zeros([], jnp.float32),
             acc_sq_norm=jnp.zeros([2], jnp.float32) if self._track_noise_scale else (),
+            window_calls=jnp.zeros([], jnp.int32) if self._track_noise_scale else (),
         )
 
     def update(
@@ -250,6 +311,8 @@ class MultiSteps:
         updates: optax.Updates,
         state: MultiStepsState,
         params: optax.Params | None = None,
+        *,
+        every_k: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
         """Accumulates ``updates``; returns the wrapped optimizer's on a window's end.
@@ -258,6 +321,15 @@ class MultiSteps:
           updates: this call's gradients, a pytree like the params.
           state: the state from `init` or the previous call.
           params: the current params, forwarded to the wrapped optimizer.
+          every_k: optional integer scalar >= 1, traced under ``jit``: the
+            current window's length in calls, in place of
+            ``every_k_schedule``; not forwarded to the wrapped optimizer. Pass
+            it from a controller whose state lives outside the optimizer
+            state, ``every_k=controller_state.num_microbatches``: the
+            controller decides one window ahead, so the value stays the same
+            through the window, as it must. A value that changes mid-window
+            ends the window at the first call whose accepted calls so far
+            (this one included) are ``>= every_k``.
           **extra_args: ``weight`` (optional scalar, this call's share of the
             window mean, e.g. its token count; default 1), and any extra
             arguments of the wrapped optimizer, forwarded on emitting calls.
@@ -270,12 +342,11 @@ class MultiSteps:
         weight = extra_args.pop("weight", None)
         if weight is not None:
             weight = _check_weight(weight)
-        every_k = self._every_k(state.gradient_step)
+        every_k = self._window_length(state.gradient_step, every_k)
         should_skip, skip_state = self._should_skip(updates, state, params, weight)
         emit = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
-        acc_grads, acc_weight, running_sq_norm = self._add(
-            updates, state, weight, should_skip
-        )
+        sums = self._add(updates, state, weight, should_skip)
+        acc_grads, acc_weight = sums.acc_grads, sums.acc_weight
 
         def emit_window(acc_grads, inner_opt_state):
             return self._emit(
@@ -307,7 +378,7 @@ class MultiSteps:
         )
         acc_sq_norm = state.acc_sq_norm
         if self._track_noise_scale:
-            acc_sq_norm = jnp.stack([running_sq_norm, window_sq_norm])
+            acc_sq_norm = jnp.stack([sums.running_sq_norm, window_sq_norm])
         new_updates = jax.tree.map(
             lambda acc, shape: jnp.where(
                 emit, acc.astype(shape.dtype), jnp.zeros((), shape.dtype)
@@ -327,6 +398,7 @@ class MultiSteps:
             skip_state=skip_state,
             acc_weight=acc_weight,
             acc_sq_norm=acc_sq_norm,
+            window_calls=sums.window_calls,
         )
         return new_updates, new_state
 
@@ -336,41 +408,46 @@ class MultiSteps:
         state: MultiStepsState,
         weight: jax.Array | None,
         should_skip: jax.Array,
-    ) -> tuple[Any, jax.Array, Any]:
-        """This call's share of the window: the new accumulator, total weight
-        and (with ``track_noise_scale``) sum of squared gradient norms."""
+    ) -> _WindowSums:
+        """This call's share of the window's sums."""
         # The reset is lazy: the first accepted call of a window overwrites the
         # previous window's sum instead of an extra pass writing zeros.
         window_start = state.mini_step == 0
+
+        def into_window(acc: jax.Array, value: jax.Array) -> jax.Array:
+            new_sum = jnp.where(window_start, value, acc + value)
+            # Selects, not branches: they fuse into the add's single pass.
+            return jnp.where(should_skip, acc, new_sum)
 
         def add_to_window(acc: jax.Array, grad: jax.Array) -> jax.Array:
             grad = grad.astype(acc.dtype)
             if weight is not None:
                 grad = weight.astype(acc.dtype) * grad
-            new_sum = jnp.where(window_start, grad, acc + grad)
-            # Selects, not branches: they fuse into the add's single pass.
-            return jnp.where(should_skip, acc, new_sum)
+            return into_window(acc, grad)
 
         acc_grads = jax.tree.map(add_to_window, state.acc_grads, updates)
         acc_weight = add_to_window(
             jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
         )
-        running_sq_norm: Any = ()
-        if self._track_noise_scale:
-            sq_norm = optax.tree.norm(
-                jax.tree.map(lambda g: g.astype(jnp.float32), updates), squared=True
-            )
-            running_sq_norm = add_to_window(state.acc_sq_norm[0], sq_norm)
-        return acc_grads, acc_weight, running_sq_norm
+        if not self._track_noise_scale:
+            return _WindowSums(acc_grads, acc_weight, (), ())
+        # As in-step, a call of weight 0 is no batch size: N counts the others.
+        counted = jnp.ones([], jnp.int32) if weight is None else weight > 0
+        return _WindowSums(
+            acc_grads,
+            acc_weight,
+            add_to_window(state.acc_sq_norm[0], squared_norm(updates)),
+            into_window(state.window_calls, jnp.asarray(counted, jnp.int32)),
+        )
 
     def _window_sq_norm(self, acc_grads: Any, acc_weight: jax.Array) -> Any:
         """With ``track_noise_scale``, ``|G_B|^2`` of the window's mean gradient."""
         if not self._track_noise_scale:
             return ()
         mean = divide_by_total_weight(
-            jax.tree.map(lambda acc: acc.astype(jnp.float32), acc_grads), acc_weight
+            jax.tree.map(in_stats_precision, acc_grads), acc_weight
         )
-        return optax.tree.norm(mean, squared=True)
+        return squared_norm(mean)
 
     def _should_skip(
         self,
@@ -451,24 +528,109 @@ class MultiSteps:
           ``gradient_noise_trace`` and ``noise_scale``; fold them into a
           :class:`jaxaccum.NoiseScaleEMA`.
         """
+        self._require_tracking("noise_estimates")
+        stats = self._window_stats(state)
+        return NoiseEstimates(
+            stats.gradient_norm_sq, stats.gradient_noise_trace, stats.noise_scale
+        )
+
+    def window_stats(self, state: MultiStepsState) -> WindowStats:
+        """What the window the last call emitted measured, for a controller.
+
+        Needs ``track_noise_scale=True``. The :class:`jaxaccum.WindowStats` of
+        the window, with the estimates of :meth:`noise_estimates`, so that
+        ``controller.update(controller_state, opt.window_stats(state))`` (a
+        :func:`jaxaccum.batch_ramp` or :func:`jaxaccum.noise_scale_batch`)
+        works as after an in-step window, inside ``jit`` too. Sizes are in the
+        units of ``weight=``: pass each call's examples (or tokens) so that
+        ``big_batch`` counts what the controller's schedule counts; without
+        ``weight=`` a call weighs 1. The state keeps the window's sums only,
+        so the per-micro-batch fields are empty, shape ``(0,)``:
+
+        * ``big_batch``: the window's total weight ``W``.
+        * ``grad_sq_norm``: ``|G_B|^2`` of the window's mean gradient.
+        * ``gradient_norm_sq``, ``gradient_noise_trace``, ``noise_scale``: as
+          :meth:`noise_estimates`, with ``b = W / N`` over the ``N`` calls of
+          non-zero weight (NaN for ``N == 1``).
+        * ``finite``: whether both squared-norm sums are finite, i.e. every
+          call's gradient was (rejected calls do not count).
+        * ``microbatch_grad_sq_norm``, ``small_batch``,
+          ``microbatch_finite``: empty.
+
+        Valid right after an emitting call (:meth:`has_updated`); on other
+        calls the scalars are NaN and ``finite`` is False, so update the
+        controller on emitting calls only (``jax.lax.cond`` on
+        :meth:`has_updated`). ``has_updated`` stays True through calls that
+        ``should_skip_update_fn`` rejects right after an emitting call: with
+        one, update the controller where ``gradient_step`` advanced.
+
+        Args:
+          state: the state an emitting call returned.
+
+        Returns:
+          The window's :class:`jaxaccum.WindowStats`.
+
+        Raises:
+          ValueError: without ``track_noise_scale=True``.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> import optax
+          >>> import jaxaccum
+          >>> ramp = jaxaccum.batch_ramp(4, {0: 2, 16: 4})
+          >>> opt = jaxaccum.MultiSteps(optax.sgd(0.1), None, track_noise_scale=True)
+          >>> params = jnp.zeros(2)
+          >>> state, ramp_state, sizes = opt.init(params), ramp.init(), []
+          >>> for call in range(10):  # each call: a micro-batch of 4 examples
+          ...     grads = jnp.array([1.0, -1.0]) * call
+          ...     num = ramp_state.num_microbatches  # this window's calls
+          ...     _, state = opt.update(grads, state, params, weight=4, every_k=num)
+          ...     if opt.has_updated(state):
+          ...         sizes.append(int(num))
+          ...         ramp_state = ramp.update(ramp_state, opt.window_stats(state))
+          >>> sizes, float(ramp_state.examples_seen)
+          ([2, 2, 4], 32.0)
+          >>> float(opt.window_stats(state).big_batch)  # mid-window
+          nan
+        """
+        self._require_tracking("window_stats")
+        return self._window_stats(state)
+
+    def _require_tracking(self, method: str) -> None:
         if not self._track_noise_scale:
             raise ValueError(
-                "noise_estimates needs the window's squared norms: build "
+                f"{method} needs the window's squared norms: build "
                 "MultiSteps(..., track_noise_scale=True)."
             )
+
+    def _window_stats(self, state: MultiStepsState) -> WindowStats:
+        """:meth:`window_stats` from the state's sums, NaN mid-window."""
         total = jnp.asarray(state.acc_weight, jnp.float32)
-        safe_total = jnp.where(total > 0, total, 1.0)
         running_sq_norm, window_sq_norm = state.acc_sq_norm
-        calls = self._every_k(jnp.maximum(state.gradient_step - 1, 0))
+        calls = jnp.asarray(state.window_calls, jnp.float32)
         estimates = estimate(
-            running_sq_norm / safe_total,
+            running_sq_norm / jnp.where(total > 0, total, 1.0),
             window_sq_norm,
-            total / jnp.asarray(calls, jnp.float32),
+            total / jnp.maximum(calls, 1.0),
             total,
         )
-        nan = jnp.full((), jnp.nan, jnp.float32)
-        return jax.tree.map(
-            lambda x: jnp.where(self.has_updated(state), x, nan), estimates
+        updated = self.has_updated(state)
+
+        def nan_mid_window(value: jax.Array) -> jax.Array:
+            return jnp.where(updated, value, jnp.full((), jnp.nan, jnp.float32))
+
+        estimates = jax.tree.map(nan_mid_window, estimates)
+        empty = jnp.zeros((0,), jnp.float32)
+        return WindowStats(
+            microbatch_grad_sq_norm=empty,
+            grad_sq_norm=nan_mid_window(window_sq_norm),
+            small_batch=empty,
+            big_batch=nan_mid_window(total),
+            gradient_norm_sq=estimates.gradient_norm_sq,
+            gradient_noise_trace=estimates.gradient_noise_trace,
+            noise_scale=estimates.noise_scale,
+            microbatch_finite=jnp.zeros((0,), jnp.bool_),
+            finite=updated & jnp.isfinite(running_sq_norm + window_sq_norm),
         )
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
@@ -478,7 +640,7 @@ class MultiSteps:
 
 def accumulate(
     opt: optax.GradientTransformation,
-    every_k: EveryKSchedule,
+    every_k: EveryKSchedule | None,
     *,
     use_grad_mean: bool = True,
     should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
@@ -489,7 +651,9 @@ def accumulate(
 
     Args:
       opt: the wrapped optimizer.
-      every_k: calls per window, an int >= 1 or a function of ``gradient_step``.
+      every_k: calls per window, an int >= 1 or a function of
+        ``gradient_step``; or None, with ``update(..., every_k=...)`` on every
+        call (see :meth:`MultiSteps.update`).
       use_grad_mean: emit the window's (weighted) mean if True, else its sum.
       should_skip_update_fn: optional, e.g. ``optax.skip_not_finite``.
       accumulator_dtype: dtype of the accumulator, float32 by default.
@@ -498,7 +662,8 @@ def accumulate(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      `MultiStepsState` and whose ``update`` accepts ``weight=``.
+      `MultiStepsState` and whose ``update`` accepts ``weight=`` and
+      ``every_k=``.
 
     Examples:
       >>> import jax.numpy as jnp

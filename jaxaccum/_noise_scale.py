@@ -9,11 +9,28 @@ Training", appendix A.1), and their ratio ``B_simple = tr(Sigma) / |G|^2``
 says roughly where a bigger batch stops cutting the number of steps.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
+
+
+def in_stats_precision(leaf: Any) -> jax.Array:
+    """``leaf`` in float32, or complex64 if it is complex: a cast to a real
+    dtype would drop the imaginary part."""
+    leaf = jnp.asarray(leaf)
+    if jnp.iscomplexobj(leaf):
+        return leaf.astype(jnp.complex64)
+    return leaf.astype(jnp.float32)
+
+
+def squared_norm(tree: Any) -> jax.Array:
+    """The float32 squared norm of a pytree: ``sum real(x * conj(x))`` over
+    its leaves, complex leaves included (``optax.tree.norm`` squares a complex
+    leaf's real and imaginary parts)."""
+    return optax.tree.norm(jax.tree.map(in_stats_precision, tree), squared=True)
 
 
 class WindowStats(NamedTuple):
@@ -41,12 +58,16 @@ class WindowStats(NamedTuple):
     :class:`NoiseScaleEMA`) and divide the averages. With one micro-batch
     (``N' == 1``) there is one batch size and both are NaN, as is the noise
     scale: that is not an error. Under ``shard_value_and_grad`` every device's
-    micro-batches count: ``N' = N D`` of ``B / (N D)`` rows each.
+    micro-batches count: ``N' = N D`` of ``B / (N D)`` rows each. A squared
+    norm is ``sum real(x * conj(x))`` over every leaf, complex ones included.
 
     Attributes:
       microbatch_grad_sq_norm: float32 ``(N,)``, ``|G_k|^2`` (under
         ``shard_value_and_grad``, the mean over devices).
-      grad_sq_norm: float32, ``|G_B|^2``, the window gradient's squared norm.
+      grad_sq_norm: float32, ``|G_B|^2``, the squared norm of the window's
+        mean gradient: the returned gradient's, except for ``"sum"``, where it
+        is that of the returned gradient divided by ``W``. So every field is
+        the same for a sum loss as for the mean loss on the same data.
       small_batch: float32 ``(N,)``, each micro-batch's weight ``w_k`` (summed
         over devices under ``shard_value_and_grad``).
       big_batch: float32, ``B = W``.
@@ -70,7 +91,26 @@ class WindowStats(NamedTuple):
 
 
 class NoiseEstimates(NamedTuple):
-    """The estimates from two batch sizes (see :class:`WindowStats`)."""
+    r"""The gradient noise estimates from two batch sizes (McCandlish et al. 2018).
+
+    From the expected squared norm of a gradient averaged over ``b`` examples,
+    :math:`\mathbb{E}|G_b|^2 = |G|^2 + \operatorname{tr}(\Sigma) / b`, taken
+    at the micro-batches' size and at the window's (see :class:`WindowStats`).
+    NaN when there is one batch size (one micro-batch).
+
+    Attributes:
+      gradient_norm_sq: unbiased estimate of the true gradient's squared norm
+        :math:`|G|^2`.
+      gradient_noise_trace: unbiased estimate of
+        :math:`\operatorname{tr}(\Sigma)`, the trace of the per-example
+        gradient covariance (with ``reduction="weighted"``: per unit of weight,
+        e.g. per token).
+      noise_scale: the simple noise scale
+        :math:`B_\text{simple} = \operatorname{tr}(\Sigma) / |G|^2`, in
+        examples (or weight units). One window's ratio is noisy and biased:
+        average numerator and denominator over windows with
+        :class:`NoiseScaleEMA`.
+    """
 
     gradient_norm_sq: jax.Array
     gradient_noise_trace: jax.Array
@@ -111,30 +151,49 @@ class MicroStats(NamedTuple):
     weight: jax.Array | tuple
 
 
+def _divide_squared(sq_norm: jax.Array, scale: jax.Array) -> jax.Array:
+    """``sq_norm / scale^2``: the squared norm of a gradient divided by
+    ``scale``; 0 where ``scale`` is 0 (a micro-batch or window of no weight)."""
+    nonzero = scale > 0
+    return jnp.where(nonzero, sq_norm / jnp.where(nonzero, scale, 1.0) ** 2, 0.0)
+
+
 def window_stats(
     micro: MicroStats,
-    grad_sq_norm: jax.Array,
+    window_sq_norm: jax.Array,
     reduction: str,
     data_axes: tuple[str, ...],
 ) -> WindowStats:
     """The :class:`WindowStats` of a window from its stacked micro-batch stats
-    and its (normalised, float32) gradient's squared norm."""
+    and the float32 squared norm of its gradient sum (``sum_k g_k``, over the
+    devices too, before normalisation).
+
+    This is where every reduction's gradients become mean gradients, the micro-
+    batches' and the window's alike: ``fun``'s gradient ``g_k`` is ``scale_k
+    G_k`` with ``scale_k = 1`` for ``"mean"`` and ``w_k`` for ``"sum"`` and
+    ``"weighted"``, so ``G_k = g_k / scale_k`` and ``G_B = sum_k g_k / sum_k
+    scale_k`` (for ``"mean"``, the mean over the ``N`` micro-batches; a
+    micro-batch skipped by ``masked`` has weight 0 and counts in neither).
+    """
     weight = jnp.asarray(micro.weight, jnp.float32)
-    raw = jnp.asarray(micro.grad_sq_norm, jnp.float32)
+    # A mean loss's gradient is already a mean: scale 1, or 0 where skipped.
+    scale = (weight > 0).astype(jnp.float32) if reduction == "mean" else weight
+    mean_sq = _divide_squared(jnp.asarray(micro.grad_sq_norm, jnp.float32), scale)
     has_weight = weight > 0
-    if reduction == "mean":
-        mean_sq = raw  # fun's loss is already a mean over its micro-batch
-    else:
-        mean_sq = jnp.where(has_weight, raw / jnp.where(has_weight, weight, 1) ** 2, 0)
-    contributions = jnp.sum(jnp.where(has_weight, weight * mean_sq, 0.0))
-    totals = (contributions, jnp.sum(has_weight, dtype=jnp.float32), jnp.sum(weight))
+    totals = (
+        jnp.sum(jnp.where(has_weight, weight * mean_sq, 0.0)),
+        jnp.sum(has_weight, dtype=jnp.float32),
+        jnp.sum(weight),
+        jnp.sum(scale),
+    )
     finite = micro.finite
     if data_axes:
         totals = lax.psum(totals, data_axes)
         mean_sq = lax.pmean(mean_sq, data_axes)
         weight = lax.psum(weight, data_axes)
         finite = lax.pmin(finite.astype(jnp.int32), data_axes).astype(bool)
-    contributions, num_weighted, total_weight = totals
+    contributions, num_weighted, total_weight, total_scale = totals
+    grad_sq_norm = _divide_squared(window_sq_norm, total_scale)
     safe_total = jnp.where(total_weight > 0, total_weight, 1.0)
     small_sq_norm = contributions / safe_total
     small_batch = total_weight / jnp.maximum(num_weighted, 1.0)

@@ -74,6 +74,8 @@ class AccumOptions:
       remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
       report_finite: also return a :class:`jaxaccum.FiniteReport`.
       report_stats: also return a :class:`jaxaccum.WindowStats`.
+      masked: ``N`` is a maximum; the call's ``active_microbatches`` (traced)
+        says how many micro-batches are computed, the rest are skipped.
       data_axes: manual mesh axes the batch is split over (``shard_map``):
         each device accumulates its rows, reduced once after the loop.
       param_gather: when parameters sharded over ``data_axes`` are gathered.
@@ -98,6 +100,7 @@ class AccumOptions:
     remat: bool | Callable[..., Any] = False
     report_finite: bool = False
     report_stats: bool = False
+    masked: bool = False
     data_axes: tuple[str, ...] = ()
     param_gather: ShardMode = "auto"
     grad_reduce: ShardMode = "auto"
@@ -210,7 +213,9 @@ class AccumOptions:
     @property
     def full_batch(self) -> "AccumOptions":
         """These options with one micro-batch: exactly ``jax.value_and_grad``."""
-        return dataclasses.replace(self, num_microbatches=1, microbatch_size=None)
+        return dataclasses.replace(
+            self, num_microbatches=1, microbatch_size=None, masked=False
+        )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> "AccumOptions":

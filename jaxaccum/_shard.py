@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +170,12 @@ def shard_value_and_grad(
       gradients are all-reduced once per window (their accumulators are whole
       on every device anyway, so deferring costs no memory).
 
+    Every reduction runs in ``accum_dtype`` (float32 by default): a bfloat16
+    gradient is cast up before it is reduce-scattered or all-reduced, so the
+    cross-device sum does not round to 8 bits, and back to its dtype only at
+    the end (per micro-batch this moves twice the bytes of a bfloat16
+    reduction).
+
     Pick the fastest that fits: ``"window"`` for both when the whole parameters
     and a whole gradient accumulator fit next to the activations
     (:func:`jaxaccum.plan_modes` compiles each combination and reports its
@@ -196,8 +202,15 @@ def shard_value_and_grad(
       whose micro-batch statistics span all devices;
     * with ``pad``, each device pads its own rows.
 
-    Arguments that are not differentiated, batch or key arguments (and keyword
-    arguments) are passed to ``fun`` unchanged, closed over.
+    Arguments that are not differentiated, batch or key arguments (frozen
+    weights, a distillation teacher; and keyword arguments) are passed to
+    ``fun`` unchanged: their ``jax.Array`` leaves enter the ``shard_map`` as
+    arguments, keeping their sharding over the other mesh axes (a weight
+    sharded over ``"model"`` stays so); one sharded over ``data_axis`` is
+    all-gathered over it once per call, since ``fun`` sees it whole (as
+    ``param_gather="window"`` would). Other leaves (Python numbers, NumPy
+    arrays, static objects) are closed over. Per-example data in such an
+    argument is not split: name it in ``batch_argnums``.
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
@@ -273,12 +286,13 @@ def shard_value_and_grad(
             param_specs=_param_specs_of(diff_args, options.data_axes),
         )
         per_device = make_accumulated(fun, call_options)
+        frozen = _Frozen.of(args, kwargs, mapped_nums)
 
-        def on_device(*mapped: Any) -> Any:
-            call_args = list(args)
+        def on_device(mapped: tuple, frozen_arrays: list) -> Any:
+            call_args, call_kwargs = frozen.rebuild(frozen_arrays)
             for num, value in zip(mapped_nums, mapped, strict=True):
                 call_args[num] = value
-            return per_device(*call_args, **kwargs)
+            return per_device(*call_args, **call_kwargs)
 
         shards = shard_plan(call_options)
         assert shards is not None  # data_axes is never empty here
@@ -288,9 +302,48 @@ def shard_value_and_grad(
         # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
         # resharded (an eager shard_map refuses them); in the caller's jit,
         # this jit is inlined.
-        return jax.jit(step)(*(args[num] for num in mapped_nums))
+        mapped = tuple(args[num] for num in mapped_nums)
+        return jax.jit(step)(mapped, frozen.arrays)
 
     return accumulated
+
+
+class _Frozen(NamedTuple):
+    """The arguments not mapped by role (positional ones outside argnums,
+    batch_argnums and key_argnums; keyword ones), split into the ``jax.Array``
+    leaves that enter the ``shard_map`` as arguments (it refuses to close over
+    an array sharded on an Explicit axis, even replicated) and the others,
+    closed over.
+
+    Attributes:
+      arrays: the array leaves, in flattening order.
+      leaves: every leaf of ``(positional, kwargs)``, mapped positions None.
+      treedef: the structure of ``(positional, kwargs)``.
+    """
+
+    arrays: list
+    leaves: list
+    treedef: Any
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict, mapped_nums: tuple[int, ...]) -> "_Frozen":
+        positional = tuple(
+            None if num in mapped_nums else arg for num, arg in enumerate(args)
+        )
+        leaves, treedef = jax.tree.flatten((positional, kwargs))
+        arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+        return cls(arrays, leaves, treedef)
+
+    def rebuild(self, arrays: list) -> tuple[list, dict]:
+        """``(positional, kwargs)`` with ``arrays`` in place of the array
+        leaves (mapped positions None, for the caller to fill)."""
+        replacements = iter(arrays)
+        leaves = [
+            next(replacements) if isinstance(leaf, jax.Array) else leaf
+            for leaf in self.leaves
+        ]
+        positional, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        return list(positional), kwargs
 
 
 def _param_specs_of(diff_args: tuple, data_axes: tuple[str, ...]) -> tuple:
@@ -339,32 +392,34 @@ def _shard_map(
     mesh: Any,
     param_specs: tuple,
 ) -> Callable[..., Any]:
-    """``on_device`` under ``shard_map``: batch arguments split over the data
-    axes, parameters as ``param_specs`` say (their gradients too), keys
-    replicated over them."""
+    """``on_device(mapped, frozen_arrays)`` under ``shard_map``: batch
+    arguments split over the data axes, parameters as ``param_specs`` say
+    (their gradients too), keys and frozen arrays replicated over them."""
     data_axes = options.data_axes
     batch_entry = data_axes[0] if len(data_axes) == 1 else data_axes
     specs = dict(zip(options.diff_nums, param_specs, strict=True))
     for num in options.batch_nums:
         specs[num] = PartitionSpec(batch_entry)
 
-    def step(*mapped: Any) -> Any:
+    def step(mapped: tuple, frozen_arrays: list) -> Any:
         # The context mesh: under _auto_model_axes its non-data axes are Auto.
         context = jax.sharding.get_abstract_mesh()
+        mapped_specs = tuple(specs.get(num, PartitionSpec()) for num in mapped_nums)
         mapped_step = jax.shard_map(
             on_device,
             mesh=mesh if context.empty else context,
-            in_specs=tuple(specs.get(num, PartitionSpec()) for num in mapped_nums),
+            in_specs=(mapped_specs, PartitionSpec()),
             out_specs=_out_specs(options, param_specs),
             axis_names=set(data_axes),
         )
+        fitted = tuple(
+            value
+            if num in options.diff_nums
+            else _fit_explicit(value, mesh, data_axes, num in options.batch_nums)
+            for num, value in zip(mapped_nums, mapped, strict=True)
+        )
         return mapped_step(
-            *(
-                value
-                if num in options.diff_nums
-                else _fit_explicit(value, mesh, data_axes, num in options.batch_nums)
-                for num, value in zip(mapped_nums, mapped, strict=True)
-            )
+            fitted, _fit_explicit(frozen_arrays, mesh, data_axes, split_rows=False)
         )
 
     return step
@@ -403,10 +458,10 @@ def _auto_model_axes(
         step, axes=model_axes, out_sharding=_out_specs(options, param_specs)
     )
 
-    def in_mesh(*mapped: Any) -> Any:
+    def in_mesh(*step_args: Any) -> Any:
         abstract = getattr(mesh, "abstract_mesh", mesh)
         with jax.sharding.use_abstract_mesh(abstract):
-            return auto_step(*mapped)
+            return auto_step(*step_args)
 
     return in_mesh
 
@@ -414,12 +469,12 @@ def _auto_model_axes(
 def _fit_explicit(
     tree: Any, mesh: Any, data_axes: tuple[str, ...], split_rows: bool
 ) -> Any:
-    """Reshards batch and key leaves to what the ``shard_map`` in_specs expect,
-    if Explicit.
+    """Reshards batch, key and frozen leaves to what the ``shard_map``
+    in_specs expect, if Explicit.
 
     Over Explicit mesh axes ``shard_map`` does not reshard its inputs: batch
-    leaves must be sharded over exactly ``data_axes`` on axis 0, and keys not
-    over them. Other mesh axes are kept.
+    leaves must be sharded over exactly ``data_axes`` on axis 0, and keys and
+    frozen arrays not over them (gathered whole). Other mesh axes are kept.
     """
     if all(
         mesh.axis_types[mesh.axis_names.index(a)] != AxisType.Explicit

@@ -15,6 +15,8 @@ reshape is given that sharding (it cannot be inferred), and other splits are an
 error (see :func:`check_sharded_split`).
 """
 
+import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -54,6 +56,64 @@ class Split(NamedTuple):
         return self.padded_size // self.num_microbatches
 
 
+# Containers whose flattening data is their keys or type, never a size.
+_PLAIN_NODES = (tuple, list, dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _holds_size(static: Any, size: int, depth: int = 4) -> bool:
+    """Whether ``static`` (a node's flattening data) holds the int ``size``,
+    looking through containers and dataclass fields (an axis ``("batch", 32)``,
+    ``Axis(name="batch", size=32)``)."""
+    if isinstance(static, int) and not isinstance(static, bool):
+        return static == size
+    if depth == 0:
+        return False
+    if dataclasses.is_dataclass(static) and not isinstance(static, type):
+        items: Any = [getattr(static, f.name) for f in dataclasses.fields(static)]
+    elif isinstance(static, dict):
+        items = [*static.keys(), *static.values()]
+    elif isinstance(static, tuple | list | set | frozenset):
+        items = static
+    else:
+        return False
+    return any(_holds_size(item, size, depth - 1) for item in items)
+
+
+def check_static_sizes(batches: Sequence[tuple[str, Any]], size: int) -> None:
+    """Refuses batch pytree nodes whose static data holds the batch size.
+
+    Such a node (haliax's ``NamedArray``, whose axes say ``Batch size=32``) is
+    split like any pytree: its arrays are cut into micro-batches, but its static
+    data is not, so the model later sees arrays of ``B / N`` rows labelled
+    ``B``. jaxaccum cannot know what the static data means, so it refuses them.
+
+    Raises:
+      ValueError: naming the node, its type, its static data and the fix.
+    """
+
+    def check(prefix: str, path: tuple, node: Any) -> None:
+        flat = jax.tree_util.default_registry.flatten_one_level_with_keys(node)
+        if flat is None:
+            return  # a leaf
+        children, static = flat
+        # A plain container's data is its keys, a namedtuple's is its type.
+        if not isinstance(node, _PLAIN_NODES) and _holds_size(static, size):
+            raise ValueError(
+                f"Batch node {_label(prefix, path)} is a {type(node).__name__} "
+                f"whose static (non-array) data holds the batch size {size}: "
+                f"{static!r}. Splitting it into micro-batches would cut its "
+                "arrays but not that size, so the model would see mislabelled "
+                "micro-batches. Pass the raw arrays as the batch and wrap them "
+                "inside the loss (e.g. haliax: hax.named(x, axes) with the "
+                "micro-batch's size, read from x.shape)."
+            )
+        for key, child in children:
+            check(prefix, (*path, key), child)
+
+    for prefix, batch in batches:
+        check(prefix, (), batch)
+
+
 def batch_size_of(batches: Sequence[tuple[str, Any]]) -> int:
     """Returns the common leading size of every leaf of the labelled batches.
 
@@ -61,8 +121,8 @@ def batch_size_of(batches: Sequence[tuple[str, Any]]) -> int:
       batches: ``(label, pytree)`` pairs; the label prefixes leaf paths in errors.
 
     Raises:
-      ValueError: if there are no leaves, a leaf is a scalar, or leading sizes
-        differ.
+      ValueError: if there are no leaves, a leaf is a scalar, leading sizes
+        differ, or a pytree node keeps the batch size in its static data.
     """
     sizes: dict[str, int] = {}
     for prefix, batch in batches:
@@ -87,7 +147,9 @@ def batch_size_of(batches: Sequence[tuple[str, Any]]) -> int:
             f"{listing}. Make every batch leaf have the same first dimension, "
             "or move leaves without a batch axis to a non-batch argument."
         )
-    return next(iter(sizes.values()))
+    size = next(iter(sizes.values()))
+    check_static_sizes(batches, size)
+    return size
 
 
 def resolve_num_microbatches(
@@ -126,12 +188,19 @@ def resolve_num_microbatches(
 
 
 def pad_batch(batch: Any, padded_size: int) -> Any:
-    """Appends zero rows to every leaf so its leading size is ``padded_size``."""
+    """Appends rows to every leaf so its leading size is ``padded_size``.
+
+    The rows are zeros, or for typed PRNG keys (which have no zero) copies of
+    the first row: valid keys, whose rows are masked out like every padded row.
+    """
 
     def pad(x):
         missing = padded_size - x.shape[0]
         if not missing:
             return x
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            fill = jnp.broadcast_to(x[:1], (missing, *x.shape[1:]))
+            return jnp.concatenate([x, fill])
         return jnp.pad(x, [(0, missing)] + [(0, 0)] * (x.ndim - 1))
 
     return jax.tree.map(pad, batch)
@@ -259,3 +328,57 @@ def split_batch(batch: Any, num_microbatches: int) -> Any:
     return jax.tree.map(
         lambda x: jnp.swapaxes(x, 0, 1), strided_view(batch, num_microbatches)
     )
+
+
+def pad_microbatches(batch: Any, num_microbatches: int, max_microbatches: int) -> Any:
+    """Lays a batch of ``num_microbatches`` micro-batches out as one of
+    ``max_microbatches``, the last ones empty (zeros), for ``masked=True``.
+
+    Micro-batch ``k < num_microbatches`` of the result (its rows ``k, k + M,
+    ...``, as :func:`split_batch` splits) holds the rows of micro-batch ``k``
+    of ``batch``, so ``value_and_grad(fun, M, masked=True)`` with
+    ``active_microbatches=num_microbatches`` on the result equals
+    ``value_and_grad(fun, num_microbatches)`` on ``batch``, from one compiled
+    program for every size. Call it in the data loader, outside ``jit``:
+    NumPy leaves stay NumPy, so nothing compiles per size.
+
+    Args:
+      batch: a pytree of arrays sharing a leading axis of ``N b`` rows.
+      num_microbatches: ``N``, the micro-batches ``batch`` holds.
+      max_microbatches: ``M >= N``, the window's largest number of them.
+
+    Returns:
+      ``batch`` with ``M b`` rows per leaf.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jaxaccum
+      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> step = jax.jit(jaxaccum.value_and_grad(loss, 4, masked=True))
+      >>> x = np.arange(12.0).reshape(6, 2)  # 2 micro-batches of 3
+      >>> window = jaxaccum.pad_microbatches(x, 2, 4)
+      >>> window.shape
+      (12, 2)
+      >>> value, grads = step(jnp.ones(2), window, active_microbatches=2)
+      >>> bool(jnp.allclose(value, loss(jnp.ones(2), x)))
+      True
+    """
+    check_count("max_microbatches", max_microbatches)
+    check_count("num_microbatches", num_microbatches)
+    if num_microbatches > max_microbatches:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} is above "
+            f"max_microbatches={max_microbatches}: the window cannot hold it."
+        )
+    size = batch_size_of([("batch", batch)])
+    resolve_num_microbatches(size, num_microbatches, None)
+    rows = size // num_microbatches
+
+    def pad(x: Any) -> Any:
+        numpy = np if isinstance(x, np.ndarray) else jnp
+        view = x.reshape(rows, num_microbatches, *x.shape[1:])
+        widths = [(0, 0), (0, max_microbatches - num_microbatches)]
+        view = numpy.pad(view, widths + [(0, 0)] * (x.ndim - 1))
+        return view.reshape(rows * max_microbatches, *x.shape[1:])
+
+    return jax.tree.map(pad, batch)

@@ -49,6 +49,7 @@ def value_and_grad(
     remat: bool | Callable[..., Any] = False,
     report_finite: bool = False,
     report_stats: bool = False,
+    masked: bool = False,
 ) -> Callable[..., Any]:
     """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
 
@@ -126,6 +127,19 @@ def value_and_grad(
         and the window's gradient squared norm, and from them the gradient
         noise scale (is a bigger batch worth it?), with the finite flags of
         ``report_finite``. Costs one squared norm per micro-batch.
+      masked: one compiled program for every window of up to ``N``
+        micro-batches (a growing batch without a recompile per size). The
+        returned function then takes a keyword argument
+        ``active_microbatches``, an int (traced under ``jit``) from 1 to
+        ``N``: micro-batches ``0 .. active - 1`` are computed and the others
+        skipped (a ``lax.cond`` per micro-batch, not computed). Lay a batch
+        of ``active`` micro-batches out in the ``N``-micro-batch layout with
+        :func:`pad_microbatches`. The result equals this function with
+        ``active`` micro-batches on the unpadded batch; a ``"mean"`` is over
+        the active micro-batches, :class:`WindowStats` count only them, and
+        ``"stack"`` / ``"concat"`` aux of skipped micro-batches are zeros.
+        Keys are split ``N`` ways whatever ``active`` (micro-batch ``k`` gets
+        key ``k``).
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``, or
@@ -177,7 +191,20 @@ def grad(
     With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
     ``state_argnums``, ``(that, new_state)``; with ``report_finite``
     (``report_stats``), all that and the :class:`FiniteReport`
-    (:class:`WindowStats`). All arguments are those of :func:`value_and_grad`.
+    (:class:`WindowStats`).
+
+    Args:
+      fun: the loss, as for :func:`value_and_grad`: a scalar mean (or sum, or
+        ``(sum, weight)``) over the examples of the batch it is given.
+      num_microbatches: N, the number of micro-batches the batch is split into
+        (or give ``microbatch_size``). Every other keyword is
+        :func:`value_and_grad`'s, with the same meaning (``argnums``,
+        ``batch_argnums``, ``has_aux``, ``reduction``, ...).
+
+    Returns:
+      A function of ``fun``'s arguments that returns the gradient of the whole
+      batch's loss with respect to ``argnums``, computed one micro-batch at a
+      time in one ``jax.lax.scan``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -224,6 +251,7 @@ class _Inputs(NamedTuple):
     keys: tuple
     state: tuple
     example_mask: jax.Array | None
+    active: jax.Array | None = None
 
 
 def make_accumulated(
@@ -241,6 +269,7 @@ def make_accumulated(
 
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> Any:
+        active = _active_microbatches(kwargs, options)
         check_arg_count(args, options)
         labelled_batches = [(f"args[{i}]", args[i]) for i in options.batch_nums]
         split = _split.resolve_num_microbatches(
@@ -255,11 +284,33 @@ def make_accumulated(
             )
         _check_differentiable(args, options.diff_nums)
         micro = _micro_value_and_grad(fun, args, kwargs, options)
-        inputs = _inputs(args, options, split)
+        inputs = _inputs(args, options, split, active)
         run = _single if split.num_microbatches == 1 else _scan
         return _package(run(micro, inputs, options, split), options)
 
     return accumulated
+
+
+def _active_microbatches(kwargs: dict, options: AccumOptions) -> Any:
+    """With ``masked``, the call's ``active_microbatches`` (popped from
+    ``kwargs``: ``fun`` never sees it), checked where it is concrete."""
+    if not options.masked:
+        return None
+    if "active_microbatches" not in kwargs:
+        raise TypeError(
+            "With masked=True, call the accumulated function with the keyword "
+            "argument active_microbatches: how many of the window's "
+            "micro-batches to compute (an int, traced under jit)."
+        )
+    active = kwargs.pop("active_microbatches")
+    if not isinstance(active, jax.core.Tracer):
+        maximum = options.num_microbatches
+        if int(active) < 1 or (maximum is not None and int(active) > maximum):
+            raise ValueError(
+                f"active_microbatches={int(active)} must be from 1 to "
+                f"num_microbatches={maximum}, the window's maximum."
+            )
+    return jnp.asarray(active, jnp.int32)
 
 
 def check_arg_count(args: tuple, options: AccumOptions) -> None:
@@ -348,7 +399,9 @@ def _micro_value_and_grad(
     return micro
 
 
-def _inputs(args: tuple, options: AccumOptions, split: _split.Split) -> _Inputs:
+def _inputs(
+    args: tuple, options: AccumOptions, split: _split.Split, active: Any = None
+) -> _Inputs:
     """The window's arguments by role; the batch padded, keys per device."""
     diff = tuple(args[i] for i in options.diff_nums)
     keys = tuple(args[i] for i in options.key_nums)
@@ -362,9 +415,8 @@ def _inputs(args: tuple, options: AccumOptions, split: _split.Split) -> _Inputs:
     example_mask = None
     if options.pad:
         example_mask = jnp.arange(split.padded_size) < split.batch_size
-    return _Inputs(
-        diff, batch, keys, tuple(args[i] for i in options.state_nums), example_mask
-    )
+    state = tuple(args[i] for i in options.state_nums)
+    return _Inputs(diff, batch, keys, state, example_mask, active)
 
 
 def _fold_device_index(key_vals: tuple, data_axes: tuple[str, ...]) -> tuple:
@@ -418,7 +470,13 @@ def _single(
     split: _split.Split,
 ) -> WindowOut:
     """One micro-batch, no scan, the key passed unchanged: jax.value_and_grad."""
-    result = micro(_gathered(inputs.diff, options), *inputs[1:])
+    result = micro(
+        _gathered(inputs.diff, options),
+        inputs.batch,
+        inputs.keys,
+        inputs.state,
+        inputs.example_mask,
+    )
     window = _window(jax.eval_shape(lambda: result), inputs, options, split)
     sums, stacked = window.add(window.zeros(), result)
     micro_stats = window.micro_stats(result, inputs.example_mask)
@@ -467,13 +525,34 @@ def _scan(
         micro_stats = window.micro_stats(result, mask)
         return (sums, result.out.new_state), (stacked, micro_stats)
 
+    carry = (window.zeros(), inputs.state)
+    if inputs.active is not None:
+        body = _skip_inactive(body, carry, (first, first_keys), inputs.active)
     (sums, state), (stacked, micro_stats) = lax.scan(
-        body,
-        (window.zeros(), inputs.state),
-        (jnp.arange(num), keys),
-        unroll=options.unroll,
+        body, carry, (jnp.arange(num), keys), unroll=options.unroll
     )
-    return WindowOut(window.result(sums, stacked), state, micro_stats)
+    result = window.result(sums, stacked, num_active=inputs.active)
+    return WindowOut(result, state, micro_stats)
+
+
+def _skip_inactive(
+    body: Callable[..., Any], carry: Any, xs: Any, active: jax.Array
+) -> Callable[..., Any]:
+    """``body`` for micro-batches below ``active``; above it, the carry
+    unchanged and zeros out (weight 0, finite), not computed."""
+    out_shape = jax.eval_shape(body, carry, xs)[1]
+
+    def skipped(carry, xs):
+        del xs
+        zeros = jax.tree.map(lambda aval: jnp.zeros(aval.shape, aval.dtype), out_shape)
+        stacked, micro_stats = zeros
+        finite = jnp.ones_like(micro_stats.finite)
+        return carry, (stacked, micro_stats._replace(finite=finite))
+
+    def masked_body(carry, xs):
+        return lax.cond(xs[0] < active, body, skipped, carry, xs)
+
+    return masked_body
 
 
 def _gathered(diff: tuple, options: AccumOptions, index: Any = None) -> tuple:

@@ -10,11 +10,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from jaxaccum._fsdp import shard_plan
-from jaxaccum._noise_scale import MicroStats
+from jaxaccum._noise_scale import MicroStats, squared_norm
 from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._split import Split, explicit_sharding
@@ -288,22 +287,34 @@ class Window:
         finite = all_finite(result)
         if not self.options.report_stats:
             return MicroStats(finite, (), ())
-        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), result.grads)
         if self.options.reduction == "weighted":
             weight = jnp.asarray(result.out.weight, jnp.float32)
         elif example_mask is not None:
             weight = jnp.sum(example_mask, dtype=jnp.float32)
         else:
             weight = jnp.float32(self.split.microbatch_size)
-        return MicroStats(finite, optax.tree.norm(grads, squared=True), weight)
+        return MicroStats(finite, squared_norm(result.grads), weight)
 
-    def result(self, sums: Sums, stacked: list) -> "WindowResult":
+    def _sum_sq_norm(self, grad_sums: Any) -> jax.Array | None:
+        """For ``report_stats``, the float32 squared norm of the window's
+        gradient sum (reduced over devices), left for ``window_stats`` to
+        normalise as it does the micro-batches' norms."""
+        if not self.options.report_stats:
+            return None
+        if self.shards is None:
+            return squared_norm(grad_sums)
+        return self.shards.squared_norm(grad_sums)  # shards summed over devices
+
+    def result(
+        self, sums: Sums, stacked: list, num_active: Any = None
+    ) -> "WindowResult":
         """Normalises the sums; the value, aux and grads in their own dtypes.
 
         ``stacked`` holds the stacked and concatenated aux leaves, each with a
-        leading micro-batch axis.
+        leading micro-batch axis; ``num_active`` (traced, for ``masked``) how
+        many micro-batches were computed, else all were.
         """
-        num_means = self.split.num_microbatches
+        num_means = self.split.num_microbatches if num_active is None else num_active
         data_axes = self.options.data_axes
         if self.shards is not None:
             # Deferred reduction: each device has summed its own rows over the
@@ -314,6 +325,7 @@ class Window:
             grads = self.shards.reduce(sums.grads, in_window=True)
             sums = Sums(value, weight, grads, aux)
             num_means *= lax.axis_size(data_axes)
+        grad_sq_norm = self._sum_sq_norm(sums.grads)
         totals = (sums.value, sums.grads)
         if self.options.reduction == "weighted":
             value, grads = divide_by_total_weight(totals, sums.weight)
@@ -321,13 +333,6 @@ class Window:
             value, grads = jax.tree.map(lambda total: total / num_means, totals)
         else:
             value, grads = totals
-        grad_sq_norm = None
-        if self.options.report_stats and self.shards is not None:
-            grad_sq_norm = self.shards.squared_norm(grads)
-        elif self.options.report_stats:
-            grad_sq_norm = optax.tree.norm(
-                jax.tree.map(lambda g: g.astype(jnp.float32), grads), squared=True
-            )
         value, grads = jax.tree.map(
             lambda x, aval: x.astype(aval.dtype),
             (value, grads),
@@ -342,7 +347,8 @@ class Window:
 class WindowResult(NamedTuple):
     """A window's normalised value, aux and gradients (tuples, one per
     differentiated argument), and for ``report_stats`` the float32 squared
-    norm of the gradient before it is cast back (else None)."""
+    norm of the gradient sum before normalisation (else None): see
+    :func:`jaxaccum._noise_scale.window_stats`."""
 
     value: Any
     aux: Any

@@ -153,7 +153,17 @@ def filter_grad(
 ) -> Callable[..., Any]:
     """``eqx.filter_grad`` over micro-batches: :func:`filter_value_and_grad`'s
     gradients alone (``(grads, aux)`` with ``has_aux``, as ``eqx.filter_grad``
-    returns them). Its arguments are :func:`filter_value_and_grad`'s.
+    returns them).
+
+    Args:
+      fun: the loss, ``fun(model, *args)``, a mean over the batch it is given.
+      num_microbatches: N, the number of micro-batches (or ``microbatch_size``).
+        Every other keyword is :func:`filter_value_and_grad`'s, with the same
+        meaning.
+
+    Returns:
+      A function of ``fun``'s arguments returning the gradient with respect to
+      the model's inexact arrays, a pytree shaped like the model.
 
     Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp
@@ -181,6 +191,22 @@ def filter_assert_grads_match_full_batch(
     """:func:`jaxaccum.testing.assert_grads_match_full_batch` for an Equinox
     loss ``fun(model, *args)``: its inexact-array leaves are compared, named by
     their path in the model (e.g. ``['grads'].layers[0].weight``).
+
+    Args:
+      fun: the loss, ``fun(model, *args)``, a mean over the batch it is given.
+      model: the Equinox model (any pytree); its inexact arrays are
+        differentiated, as ``eqx.filter_value_and_grad`` does.
+      *args: the loss's other arguments; the batch is split over them as
+        ``batch_argnums`` says (by default the first after the model).
+      num_microbatches: N, the number of micro-batches.
+      rtol: relative tolerance of the comparison (float32 default).
+      atol: absolute tolerance of the comparison.
+      **value_and_grad_kwargs: the other keywords of
+        :func:`filter_value_and_grad` (``batch_argnums``, ``reduction``, ...).
+
+    Raises:
+      AssertionError: naming each leaf whose accumulated value or gradient
+        differs from the full batch's beyond the tolerances, with the errors.
 
     Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp
@@ -218,8 +244,29 @@ def filter_diagnose(
     *args)``: names why accumulation differs from the full batch (BatchNorm,
     a sum where a mean was meant, ...), leaves named by their path in the model.
 
+    Args:
+      fun: the loss, ``fun(model, *args)``.
+      model: the Equinox model.
+      *args: the loss's other arguments, the batch among them.
+      num_microbatches: N, the number of micro-batches.
+      rtol: relative tolerance under which the results count as equal.
+      atol: absolute tolerance under which the results count as equal.
+      **value_and_grad_kwargs: the other keywords of
+        :func:`filter_value_and_grad`.
+
     Returns:
       A :class:`jaxaccum.testing.Diagnosis`; ``print`` it for the report.
+
+    Examples:
+      >>> import equinox as eqx, jax, jax.numpy as jnp
+      >>> import jaxaccum.equinox
+      >>> model = eqx.nn.Linear(3, 1, key=jax.random.key(0))
+      >>> summed = lambda model, x: jnp.sum(jax.vmap(model)(x))  # not a mean
+      >>> x = jax.random.normal(jax.random.key(1), (8, 3))
+      >>> diagnosis = jaxaccum.equinox.filter_diagnose(summed, model, x,
+      ...                                              num_microbatches=4)
+      >>> diagnosis.matches
+      False
     """
     from jaxaccum.testing import diagnose
 

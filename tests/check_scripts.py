@@ -14,10 +14,15 @@ TESTS = pathlib.Path(__file__).parent
 
 
 def device_env(num_devices: int) -> dict:
-    """The environment of a subprocess with ``num_devices`` CPU devices."""
+    """The environment of a subprocess with ``num_devices`` CPU devices.
+
+    The device count is appended to the caller's ``XLA_FLAGS``, so a cap such as
+    ``--xla_cpu_max_isa=AVX`` (CI's instruction-set runs) reaches the subprocess.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
     return {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={num_devices}",
         "JAX_PLATFORMS": "cpu",
     }
 

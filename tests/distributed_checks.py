@@ -4,7 +4,7 @@ The device count is fixed when JAX starts its backend, so these checks run in
 their own process (``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and
 print one JSON object, ``{check name: {"ok": bool, "detail": str}}``, as the last
 line of stdout. Each check compares a sharded accumulated step with the
-single-device full-batch gradient (chex, rtol=1e-5, atol=1e-6) and reads the
+single-device full-batch gradient (chex, RTOL, ATOL (tests/tolerances.py)) and reads the
 collectives of its compiled HLO.
 """
 
@@ -20,10 +20,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import classification_batch, mlp_apply, mlp_loss, mlp_params
 from noise_population import assert_unbiased, loss_for, population, sample, truth
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 NUM_DEVICES = 8
 NUM_MICROBATCHES = 4
 BATCH_SIZE = 64  # 8 rows per device, 2 per micro-batch

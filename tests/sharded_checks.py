@@ -4,9 +4,12 @@ test_sharded.py in its own process (``--xla_force_host_platform_device_count=8``
 A 4-layer Megatron-style MLP (column-parallel then row-parallel layers) with
 parameters replicated, FSDP-sharded over "data", tensor-parallel over "model",
 or both, on Auto and Explicit meshes. Every accumulated step is compared with
-the single-device full-batch gradient (chex, rtol=1e-5, atol=1e-6) and its
-compiled HLO is read for what it communicates. Prints one JSON object,
-``{check name: {"ok": bool, "detail": str}}``, as the last line of stdout.
+the single-device full-batch gradient (chex, RTOL and ATOL of
+tests/tolerances.py) and its compiled HLO is read for what it communicates.
+Also: frozen (not differentiated) array arguments, positional and keyword,
+and bfloat16 FSDP parameters, whose gradients must be reduced in float32.
+Prints one JSON object, ``{check name: {"ok": bool, "detail": str}}``, as the
+last line of stdout.
 """
 
 import sys
@@ -17,11 +20,11 @@ import jax.numpy as jnp
 from check_scripts import report
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tolerances import ATOL, RTOL  # float32 rounding bounds, derived there
 
 import jaxaccum
 from jaxaccum.testing import find_collectives
 
-RTOL, ATOL = 1e-5, 1e-6
 NUM_MICROBATCHES = 4
 BATCH_SIZE = 64  # 16 rows per data shard, 4 per micro-batch
 SIZES = (8, 32, 24, 12, 4)  # distinct shapes: a gathered weight is recognisable
@@ -35,6 +38,11 @@ MODES = (
 )
 LAYOUTS = ("replicated", "fsdp", "tp", "fsdp_tp")
 AXIS_TYPES = ("auto", "explicit")
+# A frozen teacher's sharding: on the data x model mesh, or on a 1-D (data,)
+# mesh of all 8 devices ("mesh1d_").
+FROZEN_CASES = ("replicated", "model", "data", "mesh1d_replicated", "mesh1d_data")
+FROZEN_SPECS = {"replicated": P(), "model": P(None, "model"), "data": P("data", None)}
+BF16_LAYOUTS = ("fsdp", "fsdp_tp")
 
 CHECKS = [
     f"{layout}_{axis_type}_{name}"
@@ -47,6 +55,13 @@ CHECKS = [
     "window_bytes_fsdp",
     "gather_dtype_bfloat16",
     "misaligned_fsdp_is_an_error",
+    *(
+        f"frozen_{axis_type}_{case}"
+        for axis_type in AXIS_TYPES
+        for case in FROZEN_CASES
+    ),
+    *(f"bfloat16_{layout}" for layout in BF16_LAYOUTS),
+    "plan_modes_bfloat16_fsdp",
 ]
 
 
@@ -295,7 +310,202 @@ def check_report_stats():
     return f"|G_B|^2 {float(stats.grad_sq_norm):.6f}, noise scale {stats.noise_scale}"
 
 
+def distill_loss(params, batch, teacher, *, head, temperature):
+    """``loss`` against targets moved by two frozen weights, a teacher
+    (positional, not differentiated) and a head (keyword), and a Python
+    number (closed over)."""
+    x = batch["x"]
+    shift = (x @ teacher + x @ head) / temperature
+    return loss(params, {"x": x, "y": batch["y"] + shift})
+
+
+def frozen_setup(axis_type, case):
+    """The mesh, the parameters' specs and the arguments of a frozen check:
+    FSDP + TP parameters on the Explicit 2-D mesh, replicated elsewhere (an
+    Auto mesh is called with a plain jit, shardings unseen)."""
+    kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[axis_type]
+    one_d = case.startswith("mesh1d_")
+    shape, names = ((8,), ("data",)) if one_d else ((DATA_SIZE, 2), ("data", "model"))
+    mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
+    layout = "fsdp_tp" if axis_type == "explicit" and not one_d else "replicated"
+    specs = layer_specs(layout)
+    teacher, head = (
+        jax.random.normal(key, (SIZES[0], SIZES[-1]))
+        for key in jax.random.split(jax.random.key(2))
+    )
+    unsharded = (params_of(jax.random.key(0)), batch_of(jax.random.key(1)))
+    frozen_spec = FROZEN_SPECS[case.removeprefix("mesh1d_")]
+    sharded = jax.device_put(
+        (*unsharded, teacher, head),
+        jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec),
+            (specs, P("data"), frozen_spec, frozen_spec),
+        ),
+    )
+    return mesh, specs, (*unsharded, teacher, head), sharded
+
+
+def check_frozen(axis_type, case):
+    """Arrays that are not differentiated (a teacher, positional; a head,
+    keyword) enter the shard_map as arguments: the step equals the
+    full-batch one, and a frozen weight sharded over "model" stays so."""
+    mesh, specs, (params, batch, teacher, head), args = frozen_setup(axis_type, case)
+    reference = jax.jit(jax.value_and_grad(distill_loss))(
+        params, batch, teacher, head=head, temperature=2.0
+    )
+    fun = jaxaccum.shard_value_and_grad(distill_loss, NUM_MICROBATCHES)
+    with jax.set_mesh(mesh):
+        step = jax.jit(lambda p, b, t, h: fun(p, b, t, head=h, temperature=2.0))
+        compiled = step.lower(*args).compile()
+        out = step(*args)
+    chex.assert_trees_all_close(out, reference, rtol=RTOL, atol=ATOL)
+    # On an Auto mesh under a plain jit, GSPMD picks the outputs' shardings.
+    for (path, grad), param in zip(
+        jax.tree_util.tree_leaves_with_path(out[1]),
+        jax.tree.leaves(args[0]),
+        strict=True,
+    ):
+        assert axis_type == "auto" or grad.sharding.is_equivalent_to(
+            param.sharding, param.ndim
+        ), (
+            f"grads{jax.tree_util.keystr(path)}: {grad.sharding.spec}, "
+            f"parameter {param.sharding.spec}"
+        )
+    collectives = find_collectives(compiled)
+    if case == "model":
+        whole = f"f32[{SIZES[0]},{SIZES[-1]}]"
+        gathered = [
+            c for c in collectives if c.op == "all-gather" and whole in c.shapes
+        ]
+        assert not gathered, f"a frozen weight sharded over model gathered: {gathered}"
+    ops = sorted({c.op for c in collectives})
+    return f"teacher {args[2].sharding.spec}, collectives {ops}"
+
+
+def bfloat16_setup(layout):
+    """``setup`` on the Explicit data x model mesh with bfloat16 parameters
+    (the batch stays float32, so the loss computes in float32)."""
+    mesh, specs, (params, batch), (sharded_params, sharded_batch) = setup(
+        layout, "explicit"
+    )
+    params, sharded_params = jax.tree.map(
+        lambda p: p.astype(jnp.bfloat16), (params, sharded_params)
+    )
+    return mesh, specs, (params, batch), (sharded_params, sharded_batch)
+
+
+def low_precision_reductions(collectives):
+    """The all-reduces and reduce-scatters over the data axis (groups of
+    DATA_SIZE devices; those over "model" have 2) not in float32."""
+    return [
+        c
+        for c in collectives
+        if c.op in ("all-reduce", "reduce-scatter")
+        and c.group_size == DATA_SIZE
+        and set(c.dtypes) != {"f32"}
+    ]
+
+
+def piece_grads(params, batch):
+    """The float32 gradient of each (device, micro-batch) piece of the
+    window, stacked: device d's micro-batch k holds its local rows k, k + N,
+    ..., i.e. global rows d * L + k + N * j (L rows per device)."""
+    local = BATCH_SIZE // DATA_SIZE
+    rows = (
+        local * jnp.arange(DATA_SIZE)[:, None, None]
+        + jnp.arange(NUM_MICROBATCHES)[None, :, None]
+        + NUM_MICROBATCHES * jnp.arange(local // NUM_MICROBATCHES)[None, None, :]
+    ).reshape(DATA_SIZE * NUM_MICROBATCHES, -1)
+    pieces = jax.tree.map(lambda leaf: leaf[rows], batch)
+    return jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, pieces)
+
+
+def check_bfloat16_grads(out, params, batch):
+    """bfloat16 gradients within a bound derived per element; returns the
+    largest error / bound.
+
+    bfloat16 keeps 8 significant bits: rounding to it costs at most 2^-8 of
+    the value. The reference differentiates the bfloat16 parameters upcast to
+    float32 (the loss sees exactly those values: the batch is float32), so
+    two roundings remain: JAX's AD returns each piece's gradient g_p in the
+    parameter's dtype (2^-8 |g_p| each, 2^-8 mean_p |g_p| in the mean), and
+    the final cast of the float32 window mean (2^-8 of it, i.e. of |G| plus
+    the first error: the factor 1 + 2^-8). The float32 sums add RTOL, ATOL as
+    elsewhere. A bfloat16 reduction would round every partial sum too; that
+    the HLO check catches, whatever the numbers.
+    """
+    upcast = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    value, grads = jax.jit(jax.value_and_grad(loss))(upcast, batch)
+    chex.assert_trees_all_close(out[0], value, rtol=RTOL, atol=ATOL)  # float32
+    mean_abs = jax.tree.map(
+        lambda g: jnp.mean(jnp.abs(g), axis=0), piece_grads(upcast, batch)
+    )
+    bounds = jax.tree.map(
+        lambda g, m: (2**-8 * (1 + 2**-8) + RTOL) * (jnp.abs(g) + m) + ATOL,
+        grads,
+        mean_abs,
+    )
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(out[1]))
+    errors = jax.tree.map(
+        lambda o, g: jnp.abs(o.astype(jnp.float32) - g), out[1], grads
+    )
+    chex.assert_trees_all_equal_comparator(
+        lambda error, bound: bool(jnp.all(error <= bound)),
+        lambda error, bound: f"error {float(jnp.max(error / bound)):.3f} x bound",
+        errors,
+        bounds,
+    )
+    ratios = jax.tree.map(lambda error, bound: jnp.max(error / bound), errors, bounds)
+    return max(float(ratio) for ratio in jax.tree.leaves(ratios))
+
+
+def check_bfloat16(layout):
+    """bfloat16 FSDP parameters with the default modes: the step compiles
+    (XLA:CPU aborts on a bfloat16 reduce-scatter), every gradient reduction
+    over the data axis runs in float32 in every mode (in the HLO JAX emits,
+    what GPUs and TPUs run; XLA:CPU promotes bfloat16 collectives itself, so
+    its compiled HLO shows float32 either way), and the gradients are within
+    the bfloat16 bound of the float32 ones."""
+    mesh, specs, (params, batch), args = bfloat16_setup(layout)
+    fun = jaxaccum.shard_value_and_grad(loss, NUM_MICROBATCHES)
+    compiled, out = compiled_step(fun, mesh, specs, args, "explicit")
+    low = low_precision_reductions(find_collectives(compiled))
+    assert not low, f"compiled: reductions over data not in float32: {low}"
+    scattered = {}
+    for gather, reduce in MODES:
+        step = jaxaccum.shard_value_and_grad(
+            loss, NUM_MICROBATCHES, param_gather=gather, grad_reduce=reduce
+        )
+        with jax.set_mesh(mesh):
+            emitted = jax.jit(step).lower(*args).as_text(dialect="hlo")
+        low = low_precision_reductions(find_collectives(emitted))
+        assert not low, f"{gather}/{reduce}: reductions not in float32: {low}"
+        scattered[f"{gather}/{reduce}"] = jaxaccum.collective_bytes(emitted)[
+            "reduce-scatter"
+        ]
+    worst = check_bfloat16_grads(out, params, batch)
+    return f"error <= {worst:.3f} x bound; f32 reduce-scatter bytes {scattered}"
+
+
+def check_plan_modes_bfloat16():
+    """plan_modes compiles every mode of the bfloat16 FSDP step."""
+    mesh, _, _, args = bfloat16_setup("fsdp")
+    with jax.set_mesh(mesh):
+        result = jaxaccum.plan_modes(
+            loss, *args, num_microbatches=NUM_MICROBATCHES, memory_budget="1GiB"
+        )
+    assert len(result.rows) == 4, result
+    return str(result).replace("\n", " | ")
+
+
 def run(name):
+    if name.startswith("frozen_"):
+        axis_type, case = name.removeprefix("frozen_").split("_", 1)
+        return check_frozen(axis_type, case)
+    if name.startswith("bfloat16_"):
+        return check_bfloat16(name.removeprefix("bfloat16_"))
+    if name == "plan_modes_bfloat16_fsdp":
+        return check_plan_modes_bfloat16()
     if name == "report_stats_fsdp_tp":
         return check_report_stats()
     if name == "plan_modes_fsdp":

@@ -1,10 +1,12 @@
-"""The jaxaccum command in tiny modes: exit 0, output files written."""
+"""The jaxaccum command in tiny modes: exit 0, output files written; errors in
+one line."""
 
 import importlib
 import json
 import subprocess
 import sys
 
+import cli_losses
 import jax
 import jax.numpy as jnp
 import pytest
@@ -164,20 +166,183 @@ def test_plan_command_plans_a_users_own_loss(tmp_path, monkeypatch):
     assert "gradients only" in result.stdout
 
 
-def test_plan_command_rejects_an_unreadable_batch(tmp_path, monkeypatch):
-    (tmp_path / "user_model.py").write_text(USER_LOSS)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="cannot read --batch"):
-        cli.main(
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``jaxaccum *argv`` in this process: its exit status, stdout and stderr."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+PARAMS = ["--params", "cli_losses:params"]
+XY_BATCH = ["--batch", "x=float32[256,64],y=float32[256]"]
+
+
+def test_plan_command_plans_a_loss_with_aux(capsys):
+    """The most common loss, (loss, aux), plans as jaxaccum.plan does."""
+    batch = {
+        "x": jax.ShapeDtypeStruct((256, 64), jnp.float32),
+        "y": jax.ShapeDtypeStruct((256,), jnp.float32),
+    }
+    budget, candidates = "400KiB", [1, 4, 16]
+    expected = jaxaccum.plan(
+        cli_losses.loss_with_aux,
+        cli_losses.params(),
+        batch,
+        memory_budget=budget,
+        candidates=candidates,
+        has_aux=True,
+    )
+    code, out, err = run_cli(
+        capsys,
+        "plan",
+        "cli_losses:loss_with_aux",
+        *PARAMS,
+        *XY_BATCH,
+        "--has-aux",
+        "--optimizer",
+        "none",
+        "--memory-budget",
+        budget,
+        "--candidates",
+        *map(str, candidates),
+    )
+    assert (code, err) == (0, ""), err
+    assert f"num_microbatches={expected.num_microbatches} " in out, out
+    assert (
+        f"value_and_grad(loss, num_microbatches={expected.num_microbatches}, "
+        "has_aux=True)" in out
+    ), out
+
+
+@pytest.mark.parametrize(
+    ("loss", "flags", "keywords"),
+    [
+        (
+            "weighted_loss",
+            ["--batch", "x=float32[256,64],y=float32[256],mask=float32[256]"],
+            ["--reduction", "weighted"],
+        ),
+        (
+            "loss_of_x_and_y",
+            ["--batch", "float32[256,64]", "--batch", "float32[256]"],
+            ["--batch-argnums", "1,2"],
+        ),
+        ("dropout_loss", XY_BATCH, ["--key-argnums", "2"]),
+    ],
+    ids=["weighted", "two-batch-arguments", "key-argument"],
+)
+def test_plan_command_plans_each_form_of_loss(capsys, loss, flags, keywords):
+    code, out, err = run_cli(
+        capsys,
+        "plan",
+        f"cli_losses:{loss}",
+        *PARAMS,
+        *flags,
+        *keywords,
+        "--memory-budget",
+        "1GiB",
+    )
+    assert (code, err) == (0, ""), err
+    assert "num_microbatches=1 " in out and "<- chosen" in out, out
+    # The advice repeats the loss's form, for the training step to copy.
+    advice = {
+        "weighted_loss": "reduction='weighted'",
+        "loss_of_x_and_y": "batch_argnums=(1, 2)",
+        "dropout_loss": "key_argnums=(2,)",
+    }[loss]
+    assert f"num_microbatches=1, {advice})" in out, out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (  # (loss, aux) without --has-aux: JAX's scalar-output error, explained
+            ["cli_losses:loss_with_aux", *PARAMS, *XY_BATCH],
+            "LOSS returns a pair: pass --has-aux if it is (loss, aux)",
+        ),
+        (
+            ["no_such_module:loss", *PARAMS, *XY_BATCH],
+            "cannot import 'no_such_module' for LOSS 'no_such_module:loss'",
+        ),
+        (
+            ["cli_losses:loss_with_aux", "--params", "cli_losses:nope", *XY_BATCH],
+            "cli_losses has no attribute 'nope' (--params 'cli_losses:nope')",
+        ),
+        (
+            ["cli_losses:loss_of_x_and_y", *PARAMS, "--batch-argnums", "0,1"],
+            "argument --batch-argnums: expected distinct argument numbers >= 1",
+        ),
+        (
+            ["cli_losses:loss_with_aux", *PARAMS, "--batch", "x=float32(4096)"],
+            "cannot read --batch 'x=float32(4096)' from character 0",
+        ),
+        (
             [
-                "plan",
-                "user_model:loss",
-                "--params",
-                "user_model:params",
-                "--batch",
-                "x=float32(4096)",
-            ]
-        )
+                "cli_losses:loss_of_x_and_y",
+                *PARAMS,
+                *XY_BATCH,
+                "--batch-argnums",
+                "1,2",
+            ],
+            "LOSS has 2 batch argument(s) (--batch-argnums 1,2) but --batch was "
+            "given 1 time(s)",
+        ),
+        (  # jaxaccum's own ValueError, the first line of it
+            ["cli_losses:loss_with_aux", *PARAMS, *XY_BATCH, "--has-aux"]
+            + ["--memory-budget", "1KiB", "--candidates", "1", "256"],
+            "No number of micro-batches fits memory_budget=1.0 KiB",
+        ),
+        (  # raised by the user's loss
+            ["cli_losses:weighted_loss", *PARAMS, *XY_BATCH, "--reduction", "weighted"],
+            "KeyError: 'mask' (--debug for the traceback)",
+        ),
+    ],
+    ids=[
+        "aux-without-has-aux",
+        "no-module",
+        "no-attribute",
+        "bad-argnums",
+        "bad-batch",
+        "batch-count",
+        "no-fit",
+        "loss-raises",
+    ],
+)
+def test_plan_command_errors_are_one_line(capsys, argv, message):
+    code, out, err = run_cli(capsys, "plan", *argv)
+    assert code == 2, (code, out, err)
+    assert err.startswith("jaxaccum plan: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert "Traceback" not in err + out
+
+
+def test_plan_command_debug_shows_the_traceback(capsys):
+    argv = ["cli_losses:weighted_loss", *PARAMS, *XY_BATCH, "--reduction", "weighted"]
+    code, _, err = run_cli(capsys, "plan", *argv, "--debug")
+    assert code == 2
+    assert err.startswith("Traceback (most recent call last):"), err
+    assert "cli_losses.py" in err, err  # down to the user's own line
+    assert err.splitlines()[-1] == "jaxaccum plan: error: KeyError: 'mask'", err
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["bench", "--models", "rnn"],
+            "jaxaccum bench: error: argument --models: invalid choice: 'rnn'",
+        ),
+        (
+            ["demo", "--memory-budget", "2G"],
+            "jaxaccum demo: error: Unknown unit 'g' in memory_budget='2G'",
+        ),
+    ],
+    ids=["bench-usage", "demo-runtime"],
+)
+def test_other_commands_errors_are_one_line(capsys, tmp_path, argv, line):
+    code, _, err = run_cli(capsys, *argv, "--out", str(tmp_path))
+    assert code == 2
+    assert err.startswith(line) and err.count("\n") == 1, err
 
 
 def test_plan_command_runs_as_a_module():

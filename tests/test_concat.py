@@ -1,7 +1,7 @@
 """aux_reduction="concat": per-example aux back in the batch's own order.
 
-Tolerances (float32): logits agree with the full batch's to rtol=1e-5,
-atol=1e-6; the accuracy, a count over identical argmaxes, exactly.
+Tolerances (float32): logits agree with the full batch's to RTOL, ATOL
+(tests/tolerances.py); the accuracy, a count over identical argmaxes, exactly.
 """
 
 import flax.linen as nn
@@ -11,10 +11,11 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 
 
 class CNN(nn.Module):

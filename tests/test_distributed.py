@@ -3,8 +3,8 @@
 The multi-device checks need more devices than this process has, so they run
 in subprocesses: ``distributed_checks.py`` on 8 forced CPU devices (one process
 for all its checks), and ``multiprocess_worker.py`` as 2 processes x 2 devices
-talking over 127.0.0.1. Tolerances (float32): rtol=1e-5, atol=1e-6 against the
-single-device full-batch gradient.
+talking over 127.0.0.1. Tolerances (float32): RTOL, ATOL (tests/tolerances.py)
+against the single-device full-batch gradient.
 """
 
 import socket
@@ -19,10 +19,11 @@ import pytest
 from check_scripts import TESTS, device_env, run_script
 from distributed_checks import CHECKS
 from models import classification_batch, mlp_loss, mlp_loss_with_aux, mlp_params
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 
 
 @pytest.fixture(scope="module")

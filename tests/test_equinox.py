@@ -1,7 +1,7 @@
 """jaxaccum.equinox against eqx.filter_value_and_grad on the full batch.
 
 Tolerances (float32): values and gradients agree with the full batch to
-rtol=1e-5, atol=1e-6 (summation order is the only difference); BatchNorm's
+RTOL, ATOL (tests/tolerances.py) (summation order is the only difference); BatchNorm's
 state after a window equals N sequential passes to the same tolerance.
 """
 
@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 import jaxaccum.equinox
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 
 
 class Net(eqx.Module):

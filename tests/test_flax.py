@@ -1,7 +1,7 @@
 """jaxaccum.flax: Linen and NNX models, their state threaded through the scan.
 
-Tolerances (float32): rtol=1e-5, atol=1e-6 against the full batch, and against
-N sequential micro-batch passes for stateful models (BatchNorm, dropout).
+Tolerances (float32): RTOL, ATOL (tests/tolerances.py) against the full batch,
+and against N sequential micro-batch passes for stateful models (BatchNorm, dropout).
 """
 
 import chex
@@ -12,11 +12,12 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 import jaxaccum.flax
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 BATCH_SIZE = 16
 
 

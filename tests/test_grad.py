@@ -1,7 +1,7 @@
 """jaxaccum.value_and_grad / grad against the full-batch gradient.
 
 Tolerances (float32): values and gradients agree with the full batch to
-rtol=1e-5, atol=1e-6 (summation order is the only difference).
+RTOL, ATOL (tests/tolerances.py) (summation order is the only difference).
 """
 
 import chex
@@ -22,11 +22,12 @@ from models import (
     mlp_loss_with_aux,
     mlp_params,
 )
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 from jaxaccum.testing import assert_grads_match_full_batch
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 NUM_MICROBATCHES = [1, 2, 4, 8]
 
 

@@ -4,6 +4,8 @@ The population and the tolerance are in noise_population.py (the same ones
 serve the 8-device check of shard_value_and_grad in distributed_checks.py).
 """
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -183,3 +185,222 @@ def test_flax_nnx_helper_reports_stats():
     )(model, {"x": x[:64], "y": y[:64]})
     assert stats.microbatch_grad_sq_norm.shape == (4,)
     assert np.isfinite(stats.noise_scale)
+
+
+# Exact WindowStats against per-micro-batch gradients of the mean loss. The
+# data keep every float32 sum free of cancellation: x > 0 and residuals
+# x @ w - y > 0, so each gradient entry sums positive terms, and a float32 sum
+# of n positive terms is within n eps of its value, in any order (whatever
+# vector code XLA picks for the host's CPU).
+EPS = float(jnp.finfo(jnp.float32).eps)
+NUM_EXACT, FEATURES_EXACT = 4, 4
+
+
+def positive_data(batch_size):
+    kx, ky, km = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.uniform(kx, (batch_size, FEATURES_EXACT), minval=0.5, maxval=1.5)
+    y = jax.random.uniform(ky, (batch_size,), minval=-1.0, maxval=1.0)
+    mask = jax.random.bernoulli(km, 0.7, (batch_size,))
+    return jnp.ones(FEATURES_EXACT), x, y, mask  # residuals in [1, 7]
+
+
+def squares(w, x, y):
+    return 0.5 * (x @ w - y) ** 2
+
+
+def mean_of_squares(w, x, y):
+    return jnp.mean(squares(w, x, y))
+
+
+def sum_of_squares(w, x, y, example_mask=None):
+    keep = jnp.ones(x.shape[0], bool) if example_mask is None else example_mask
+    return jnp.sum(jnp.where(keep, squares(w, x, y), 0.0))
+
+
+def weighted_squares(w, x, y, mask, example_mask=None):
+    keep = mask if example_mask is None else mask & example_mask
+    return jaxaccum.masked_sum(squares(w, x, y), keep)
+
+
+def masked_mean_of_squares(w, x, y, mask):
+    return jnp.sum(jnp.where(mask, squares(w, x, y), 0.0)) / jnp.sum(mask)
+
+
+def reference_stats(w, x, y, mask, num):
+    """float64 WindowStats fields from jax.grad of each strided micro-batch's
+    mean loss (rows k, k + num, ...; padded rows are past the batch's end),
+    and the conditioning of the two estimators."""
+    weights, grads = [], []
+    for k in range(num):
+        rows = (x[k::num], y[k::num], mask[k::num])
+        weights.append(float(np.sum(rows[2])))
+        grad = jax.grad(masked_mean_of_squares)(w, *rows) if weights[-1] else 0 * w
+        grads.append(np.asarray(grad, np.float64))
+    weights, grads = np.array(weights), np.array(grads)
+    big = weights.sum()
+    small = big / np.count_nonzero(weights)
+    micro_sq = np.sum(grads**2, axis=1)
+    small_sq = weights @ micro_sq / big
+    big_sq = np.sum((weights @ grads / big) ** 2)
+    norm_sq = (big * big_sq - small * small_sq) / (big - small)
+    trace = (small_sq - big_sq) / (1 / small - 1 / big)
+    expected = {
+        "microbatch_grad_sq_norm": micro_sq,
+        "grad_sq_norm": big_sq,
+        "small_batch": weights,
+        "big_batch": big,
+        "gradient_norm_sq": norm_sq,
+        "gradient_noise_trace": trace,
+        "noise_scale": trace / norm_sq,
+    }
+    conditioning = (
+        (big * big_sq + small * small_sq) / abs(big * big_sq - small * small_sq),
+        (small_sq + big_sq) / abs(small_sq - big_sq),
+    )
+    return expected, conditioning
+
+
+def assert_stats_match(stats, expected, conditioning, batch_size, num):
+    # A gradient entry sums at most n = B + N + F + 4 rounded positive terms
+    # (rows, micro-batches, the residual's F products, the scalings), so it is
+    # within n eps; its squared norm within (2 n + F + 2) eps (F squares, the
+    # division by the weight); the test's float32 jax.grad errs as much: x2.
+    terms = batch_size + num + FEATURES_EXACT + 4
+    norm_rtol = 2 * (2 * terms + FEATURES_EXACT + 2) * EPS
+    # The estimators subtract nearly equal terms: the inputs' relative error
+    # (plus the N + 4 roundings of S_b and of the formula) grows by the
+    # conditioning, sum(|terms|) / |difference|; the noise scale adds both.
+    input_rtol = norm_rtol + (num + 4) * EPS
+    rtols = {
+        "microbatch_grad_sq_norm": norm_rtol,
+        "grad_sq_norm": norm_rtol,
+        "small_batch": 0.0,  # whole numbers of rows, exact
+        "big_batch": 0.0,
+        "gradient_norm_sq": input_rtol * conditioning[0],
+        "gradient_noise_trace": input_rtol * conditioning[1],
+        "noise_scale": input_rtol * sum(conditioning) + EPS,
+    }
+    for field, rtol in rtols.items():
+        chex.assert_trees_all_close(
+            np.asarray(getattr(stats, field), np.float64),
+            np.asarray(expected[field], np.float64),
+            rtol=rtol,
+            atol=0.0,
+            custom_message=f"WindowStats.{field} (rtol {rtol:.3g})",
+        )
+    assert bool(stats.finite) and stats.microbatch_finite.shape == (num,)
+
+
+EXACT_CASES = [
+    ("mean", False),
+    ("sum", False),
+    ("sum", True),
+    ("weighted", False),
+    ("weighted", True),
+]  # "mean" with pad is refused: unequal micro-batches have no common mean
+
+
+@pytest.mark.parametrize(("reduction", "pad"), EXACT_CASES)
+def test_window_stats_equal_those_of_the_micro_batches_mean_gradients(reduction, pad):
+    batch_size = 30 if pad else 32  # 30 rows: micro-batches of 8, 8, 7 and 7
+    w, x, y, mask = positive_data(batch_size)
+    if reduction != "weighted":
+        mask = jnp.ones(batch_size, bool)
+    loss, batch = {
+        "mean": (mean_of_squares, (x, y)),
+        "sum": (sum_of_squares, (x, y)),
+        "weighted": (weighted_squares, (x, y, mask)),
+    }[reduction]
+    step = jaxaccum.value_and_grad(
+        loss,
+        NUM_EXACT,
+        batch_argnums=tuple(range(1, 1 + len(batch))),
+        reduction=reduction,
+        pad=pad,
+        report_stats=True,
+    )
+    _, stats = jax.jit(step)(w, *batch)
+    expected, conditioning = reference_stats(w, x, y, mask, NUM_EXACT)
+    assert_stats_match(stats, expected, conditioning, batch_size, NUM_EXACT)
+
+
+def test_sum_loss_stats_equal_the_mean_loss_stats_on_the_same_data():
+    w, x, y, _ = positive_data(32)
+
+    def stats_of(loss, reduction):
+        step = jaxaccum.value_and_grad(
+            loss,
+            NUM_EXACT,
+            batch_argnums=(1, 2),
+            reduction=reduction,
+            report_stats=True,
+        )
+        return jax.jit(step)(w, x, y)[1]
+
+    mean_stats = stats_of(mean_of_squares, "mean")
+    sum_stats = stats_of(sum_of_squares, "sum")
+    # Both are within the bound of the exact figures; the float64 mean stats
+    # stand in for them, with the conditioning of the exact figures.
+    _, conditioning = reference_stats(w, x, y, jnp.ones(32, bool), NUM_EXACT)
+    expected = {
+        field: np.asarray(v, np.float64) for field, v in mean_stats._asdict().items()
+    }
+    assert_stats_match(sum_stats, expected, conditioning, 32, NUM_EXACT)
+
+
+def test_complex_parameters_count_their_imaginary_parts():
+    _, x, y, _ = positive_data(32)
+    # Real and imaginary residuals both positive: sums without cancellation.
+    w = jnp.full(FEATURES_EXACT, 1 + 1j, jnp.complex64)
+
+    def loss(w, x, y):
+        return 0.5 * jnp.mean(jnp.abs(x @ w - y) ** 2)
+
+    step = jaxaccum.value_and_grad(
+        loss, NUM_EXACT, batch_argnums=(1, 2), report_stats=True
+    )
+    optimizer = jaxaccum.MultiSteps(
+        optax.sgd(0.1),
+        NUM_EXACT,
+        track_noise_scale=True,
+    )
+    state = optimizer.init(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a complex-to-real cast warns
+        (_, grads), stats = jax.jit(step)(w, x, y)
+        micro_grads = [
+            jax.grad(loss)(w, x[k::NUM_EXACT], y[k::NUM_EXACT])
+            for k in range(NUM_EXACT)
+        ]
+        for micro_grad in micro_grads:
+            _, state = jax.jit(optimizer.update)(micro_grad, state, w)
+    assert grads.dtype == jnp.complex64
+
+    def sq_norm(tree):
+        leaves = jax.tree.leaves(tree)
+        return sum(np.sum(np.abs(np.asarray(g, np.complex128)) ** 2) for g in leaves)
+
+    # The returned gradient's own norm: 2F rounded squares summed, |S|^2 / N^2
+    # against |S / N|^2 (one rounding per entry): (2F + 6) eps.
+    chex.assert_trees_all_close(
+        stats.grad_sq_norm, sq_norm(grads), rtol=(2 * FEATURES_EXACT + 6) * EPS
+    )
+    # Against the test's jax.grad: positive terms as in assert_stats_match,
+    # with 2F squares (real and imaginary parts) in each norm.
+    terms = 32 + NUM_EXACT + FEATURES_EXACT + 4
+    rtol = 2 * (2 * terms + 2 * FEATURES_EXACT + 2) * EPS
+    mean_grad = sum(np.asarray(g, np.complex128) for g in micro_grads) / NUM_EXACT
+    micro_sq = [sq_norm(g) for g in micro_grads]
+    chex.assert_trees_all_close(
+        (stats.microbatch_grad_sq_norm, stats.grad_sq_norm),
+        (np.array(micro_sq), sq_norm(mean_grad)),
+        rtol=rtol,
+    )
+    # MultiSteps (weight 1 per call): sum_k |g_k|^2 and |mean_k g_k|^2.
+    chex.assert_trees_all_close(
+        state.acc_sq_norm, np.array([sum(micro_sq), sq_norm(mean_grad)]), rtol=rtol
+    )
+    real_parts_only = np.sum(np.real(np.asarray(grads, np.complex128)) ** 2)
+    assert float(stats.grad_sq_norm) > 1.5 * real_parts_only, (
+        f"imaginary parts dropped: {float(stats.grad_sq_norm)} vs {real_parts_only}"
+    )

@@ -2,12 +2,13 @@
 
 The reference is the unwrapped optimizer called once per window on the
 window's (weighted) mean gradient, averaged in float64 by numpy. Tolerances
-(float32): rtol=1e-5, atol=1e-6; jaxaccum sums in float32 and divides once, so
-rounding is the only difference.
+(float32): RTOL, ATOL (tests/tolerances.py); jaxaccum sums in float32 and
+divides once, so rounding is the only difference.
 """
 
 import doctest
 import functools
+import warnings
 
 import chex
 import jax
@@ -16,11 +17,12 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 import jaxaccum._multisteps
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 CALLS_PER_WINDOW = 3
 NUM_WINDOWS = 3
 
@@ -311,6 +313,22 @@ def test_dtypes_match_unwrapped_optimizer(param_dtype, grad_dtype):
         assert dtypes(got) == dtypes(want), f"call {i}"
         assert dtypes(state) == init_dtypes, f"call {i}: state dtypes changed"
     assert dtypes(state.acc_grads) == {"b": jnp.float32, "w": jnp.float32}
+
+
+def test_complex_gradients_keep_their_imaginary_parts():
+    """The accumulator is the param's dtype promoted to float32: complex stays
+    complex (a float32 accumulator would drop the imaginary parts)."""
+    wrapper = jaxaccum.MultiSteps(optax.sgd(1.0), 2)
+    params = {"v": jnp.zeros(2, jnp.complex64)}
+    state = wrapper.init(params)
+    assert state.acc_grads["v"].dtype == jnp.complex64
+    grads = [jnp.array([1 + 2j, 3j], jnp.complex64), jnp.array([1j, 1], jnp.complex64)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a complex-to-real cast warns
+        for grad in grads:
+            updates, state = wrapper.update({"v": grad}, state, params)
+    # Halving a sum of two small integers' halves is exact in float32.
+    chex.assert_trees_all_equal(updates, {"v": -(grads[0] + grads[1]) / 2})
 
 
 def test_low_precision_gradients_accumulate_in_float32():

@@ -1,7 +1,13 @@
 """Sharded parameters (replicated, FSDP, tensor parallel, both) through the
 window, on 8 forced CPU devices: ``sharded_checks.py`` runs every check in one
 subprocess (the device count is fixed when JAX starts). Tolerances (float32):
-rtol=1e-5, atol=1e-6 against the single-device full-batch gradient.
+RTOL, ATOL (tests/tolerances.py) against the single-device full-batch gradient.
+
+Also frozen array arguments, positional and keyword (``frozen_*``: passed
+into the ``shard_map``, replicated or sharded, on Auto and Explicit meshes),
+and bfloat16 FSDP parameters (``bfloat16_*``, ``plan_modes_bfloat16_fsdp``:
+gradients reduced in float32, within a per-element bound derived from
+bfloat16's 8 significant bits; see ``check_bfloat16_grads``).
 """
 
 import pytest
@@ -11,7 +17,7 @@ from sharded_checks import CHECKS
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_script("sharded_checks.py", num_devices=8, timeout=600)
+    return run_script("sharded_checks.py", num_devices=8, timeout=900)
 
 
 @pytest.mark.parametrize("check", CHECKS)

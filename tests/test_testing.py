@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from models import classification_batch, mlp_loss, mlp_params
+from tolerances import ATOL, RTOL
 
 from jaxaccum.testing import assert_grads_match_full_batch
 
@@ -14,10 +15,10 @@ def test_passes_on_a_correct_mean_loss():
         classification_batch(jax.random.key(1), 16),
     )
     assert_grads_match_full_batch(
-        mlp_loss, params, batch, num_microbatches=4, rtol=1e-5, atol=1e-6
+        mlp_loss, params, batch, num_microbatches=4, rtol=RTOL, atol=ATOL
     )
     assert_grads_match_full_batch(
-        mlp_loss, params, batch, microbatch_size=4, rtol=1e-5, atol=1e-6
+        mlp_loss, params, batch, microbatch_size=4, rtol=RTOL, atol=ATOL
     )
 
 
@@ -60,6 +61,6 @@ def test_accepts_report_finite_and_state():
         num_microbatches=4,
         state_argnums=2,
         report_finite=True,
-        rtol=1e-5,
-        atol=1e-6,
+        rtol=RTOL,
+        atol=ATOL,
     )

@@ -1,6 +1,7 @@
 """Exact token-weighted accumulation: masked losses, ragged windows, zero weight.
 
-Tolerances (float32): rtol=1e-5, atol=1e-6 against the full-batch masked mean.
+Tolerances (float32): RTOL, ATOL (tests/tolerances.py) against the full-batch
+masked mean.
 """
 
 import chex
@@ -9,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from models import next_token_losses, token_batch
+from tolerances import ATOL, RTOL
 
 import jaxaccum
 from jaxaccum.cli._models import Transformer
 from jaxaccum.testing import assert_grads_match_full_batch, leaf_errors
 
-RTOL, ATOL = 1e-5, 1e-6
+# Float32 rounding bounds, derived in tests/tolerances.py.
 MODEL = Transformer(vocab=11, width=16, layers=1, heads=2)  # causal LM
 # Even examples hold 2 tokens, odd ones 12: with the strided split, micro-batch
 # 0 (even examples) is mostly padding for every N in {2, 4, 8}.

@@ -173,24 +173,33 @@ def _plot_bench(results: dict[str, Any], out: pathlib.Path) -> None:
         axes[0, column].set(
             title=f"{model['task']}, batch {model['batch_size']}",
             ylabel="ms per window",
-            xscale="log",
-            xlabel="N",
         )
-        axes[1, column].set(
-            ylabel="compiled temp MiB", xscale="log", xlabel="N", yscale="log"
-        )
+        axes[1, column].set(ylabel="compiled temp MiB", yscale="log")
+        measured = sorted({m["num_microbatches"] for m in model["measurements"]})
+        for row in (0, 1):
+            _label_measured_n(axes[row, column], measured)
         axes[0, column].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(out / "time_memory_vs_n.png", dpi=110)
     plt.close(figure)
 
     figure, axis = plt.subplots(figsize=(5, 3.5))
+    compiled_n: set[int] = set()
     for contender, by_n in results["compile_seconds"]["seconds"].items():
+        compiled_n.update(int(n) for n in by_n)
         axis.plot([int(n) for n in by_n], list(by_n.values()), "-o", label=contender)
-    axis.set(
-        xlabel="N", ylabel="compile seconds", xscale="log", title="Compile time vs N"
-    )
+    axis.set(ylabel="compile seconds", title="Compile time vs N")
+    _label_measured_n(axis, sorted(compiled_n))
     axis.legend()
     figure.tight_layout()
     figure.savefig(out / "compile_vs_n.png", dpi=110)
     plt.close(figure)
+
+
+def _label_measured_n(axis: Any, measured: list[int]) -> None:
+    """A log-2 N axis labelled at the measured N only (matplotlib's log axis
+    also labels minor ticks, 2x10^0, 3x10^0, ..., which overlap)."""
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(measured, [str(n) for n in measured])
+    axis.minorticks_off()
+    axis.set_xlabel("N")

@@ -7,115 +7,300 @@
 :func:`jaxaccum.value_and_grad`. ``--params`` and ``--batch`` name a
 ``module:attribute`` holding a pytree of arrays or ``jax.ShapeDtypeStruct``
 (or a function of no arguments returning one); ``--batch`` may instead give
-its leaves' dtypes and shapes inline. Nothing is run and no data is needed:
-the step is compiled for shapes. The current directory is importable, as with
-``python -m``. In Python, call :func:`jaxaccum.plan` directly.
+its leaves' dtypes and shapes inline, or one array as ``dtype[d0,d1,...]``.
+Nothing is run and no data is needed: the step is compiled for shapes. The
+current directory is importable, as with ``python -m``.
+
+Describe the loss as you will to :func:`jaxaccum.value_and_grad`:
+
+    --has-aux                 loss returns (loss, aux)
+    --reduction weighted      loss returns (loss_sum, weight)
+    --batch-argnums 1,2       loss(params, x, y): one --batch per batch argument
+    --key-argnums 2           loss(params, batch, key): a PRNG key (dropout)
+
+For example, ``loss(params, x, y, key)`` returning ``(loss, aux)``:
+
+    jaxaccum plan train:loss --params train:init_params --has-aux \\
+        --batch-argnums 1,2 --batch "float32[8192,784]" --batch "int32[8192]" \\
+        --key-argnums 3
+
+Errors print one line; ``--debug`` shows the traceback. In Python, call
+:func:`jaxaccum.plan` directly.
 """
 
 import argparse
 import importlib
 import re
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import jaxaccum
+from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS
 from jaxaccum.cli._console import console
 
 _LEAF = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\w+)\[([\d\s,]*)\]\s*(?:,|$)")
+_ARRAY = re.compile(r"\s*(\w+)\[([\d\s,]*)\]\s*")
+_SCALAR_OUTPUT = "Gradient only defined for scalar-output functions"
 
 
-def resolve(reference: str) -> Any:
-    """The object ``module:attribute`` (dotted attributes allowed) names; a
-    function of no arguments is called."""
+def resolve(reference: str, flag: str = "LOSS") -> Any:
+    """The object ``module:attribute`` (dotted attributes allowed) names; the
+    errors name ``flag``, the argument that gave the reference."""
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
-        raise SystemExit(
-            f"jaxaccum plan: {reference!r} is not module:attribute, e.g. "
+        raise ValueError(
+            f"{flag} {reference!r} is not module:attribute, e.g. "
             "mypackage.train:loss_fn."
         )
     if "" not in sys.path:  # console scripts leave the working directory out
         sys.path.insert(0, "")
-    value: Any = importlib.import_module(module_name)
+    try:
+        value: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"cannot import {module_name!r} for {flag} {reference!r}: {error} "
+            "(the current directory and sys.path are searched)."
+        ) from error
+    path = module_name
     for name in attribute.split("."):
+        if not hasattr(value, name):
+            raise ValueError(
+                f"{path} has no attribute {name!r} ({flag} {reference!r})."
+            )
         value = getattr(value, name)
+        path += f"{':' if path == module_name else '.'}{name}"
     return value
 
 
-def _value(reference: str) -> Any:
-    value = resolve(reference)
+def _value(reference: str, flag: str) -> Any:
+    """``resolve``; a function of no arguments is called."""
+    value = resolve(reference, flag)
     return value() if callable(value) else value
 
 
+def _shape_dtype(dtype: str, dims: str) -> jax.ShapeDtypeStruct:
+    shape = tuple(int(d) for d in dims.replace(" ", "").split(",") if d)
+    try:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    except TypeError as error:
+        raise ValueError(f"--batch: {dtype!r} is not a dtype ({error}).") from error
+
+
 def parse_batch(spec: str) -> Any:
-    """``--batch``: ``module:attribute``, or leaves as ``name=dtype[d0,d1,...]``
-    separated by commas (e.g. ``x=float32[8192,784],y=int32[8192]``)."""
+    """``--batch``: ``module:attribute``; one array as ``dtype[d0,d1,...]``; or
+    leaves as ``name=dtype[d0,d1,...]`` separated by commas (a dict, e.g.
+    ``x=float32[8192,784],y=int32[8192]``)."""
+    array = _ARRAY.fullmatch(spec)
+    if array is not None:
+        return _shape_dtype(*array.groups())
     if "=" not in spec:
-        return _value(spec)
+        return _value(spec, "--batch")
     leaves, position = {}, 0
     while position < len(spec):
         match = _LEAF.match(spec, position)
         if match is None:
-            raise SystemExit(
-                f"jaxaccum plan: cannot read --batch {spec!r} from character "
-                f"{position}: write leaves as name=dtype[d0,d1,...] separated by "
-                "commas, e.g. x=float32[8192,784],y=int32[8192]."
+            raise ValueError(
+                f"cannot read --batch {spec!r} from character {position}: write "
+                "one array as dtype[d0,d1,...] or leaves as name=dtype[d0,d1,...] "
+                "separated by commas, e.g. x=float32[8192,784],y=int32[8192]."
             )
         name, dtype, dims = match.groups()
-        shape = tuple(int(d) for d in dims.replace(" ", "").split(",") if d)
-        leaves[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+        leaves[name] = _shape_dtype(dtype, dims)
         position = match.end()
     return leaves
+
+
+def argnums(text: str) -> tuple[int, ...]:
+    """An argparse type: ``"1,2"`` -> ``(1, 2)``."""
+    try:
+        nums = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        nums = ()
+    if not nums or min(nums) < 1 or len(set(nums)) != len(nums):
+        raise argparse.ArgumentTypeError(
+            "expected distinct argument numbers >= 1 separated by commas, e.g. "
+            f"1,2 (argument 0 is the params); got {text!r}."
+        )
+    return nums
 
 
 def _optimizer(name: str, learning_rate: float) -> optax.GradientTransformation | None:
     if name == "none":
         return None
     if not callable(getattr(optax, name, None)):
-        raise SystemExit(f"jaxaccum plan: optax has no optimizer {name!r}.")
+        raise ValueError(f"optax has no optimizer {name!r} (--optimizer).")
     return getattr(optax, name)(learning_rate)
+
+
+def loss_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords of :func:`jaxaccum.value_and_grad` the flags set, as the
+    training step will pass them (defaults left out)."""
+    if args.aux_reduction is not None and not args.has_aux:
+        raise ValueError("--aux-reduction needs --has-aux: it reduces the aux.")
+    options: dict[str, Any] = {
+        "has_aux": args.has_aux,
+        "reduction": args.reduction,
+        "aux_reduction": args.aux_reduction,
+        "batch_argnums": args.batch_argnums,
+        "key_argnums": args.key_argnums,
+        "remat": args.remat,
+    }
+    return {
+        name: value for name, value in options.items() if value not in (None, False)
+    }
+
+
+def loss_arguments(args: argparse.Namespace, options: dict[str, Any]) -> tuple:
+    """The positional arguments of the user's loss: the params (argument 0),
+    the batch arguments and the PRNG keys, as shapes."""
+    batch_nums = options.get("batch_argnums", (1,))
+    key_nums = options.get("key_argnums", ())
+    if len(args.batch) != len(batch_nums):
+        raise ValueError(
+            f"LOSS has {len(batch_nums)} batch argument(s) (--batch-argnums "
+            f"{','.join(map(str, batch_nums))}) but --batch was given "
+            f"{len(args.batch)} time(s): give one --batch per batch argument, "
+            "in the same order."
+        )
+    both = sorted(set(batch_nums) & set(key_nums))
+    if both:
+        raise ValueError(
+            f"argument(s) {both} are in both --batch-argnums and --key-argnums."
+        )
+    values = {0: _value(args.params, "--params")}
+    for num, spec in zip(batch_nums, args.batch, strict=True):
+        values[num] = parse_batch(spec)
+    for num in key_nums:
+        values[num] = jax.random.key(0)  # a key's shape is all a plan needs
+    missing = [num for num in range(max(values) + 1) if num not in values]
+    if missing:
+        raise ValueError(
+            f"LOSS argument(s) {missing} have no value: argument 0 is --params, "
+            "the others must be in --batch-argnums or --key-argnums."
+        )
+    return tuple(values[num] for num in range(len(values)))
+
+
+def _describe(tree: Any) -> str:
+    """A pytree of shapes as ``(float32[], {aux: float32[4]})``."""
+    shapes = jax.tree.map(lambda leaf: f"{leaf.dtype}{list(leaf.shape)}", tree)
+    return str(shapes).replace("'", "")
+
+
+def output_hint(loss: Any, call_args: tuple, options: dict[str, Any]) -> str | None:
+    """Which flag the loss's output does not match, if any (else None)."""
+    try:
+        out = jax.eval_shape(loss, *call_args)
+    except Exception:  # the loss's own error is the one to report
+        return None
+
+    def is_pair(tree: Any) -> bool:
+        return isinstance(tree, tuple | list) and len(tree) == 2
+
+    def is_scalar(tree: Any) -> bool:
+        return isinstance(tree, jax.ShapeDtypeStruct) and tree.shape == ()
+
+    returned = f"it returns {_describe(out)}."
+    if options.get("has_aux"):
+        if not is_pair(out):
+            return f"with --has-aux, LOSS must return (loss, aux); {returned}"
+        out = out[0]
+    if options.get("reduction") == "weighted":
+        if not (is_pair(out) and all(map(is_scalar, out))):
+            return (
+                "with --reduction weighted, LOSS must return scalars (loss_sum, "
+                f"weight) (with --has-aux: ((loss_sum, weight), aux)); {returned}"
+            )
+    elif is_pair(out):
+        return (
+            "LOSS returns a pair: pass --has-aux if it is (loss, aux), or "
+            f"--reduction weighted if it is (loss_sum, weight); {returned}"
+        )
+    elif not is_scalar(out):
+        return f"LOSS must return a scalar loss; {returned}"
+    return None
+
+
+class _Step(NamedTuple):
+    """What is planned: a loss, its arguments and value_and_grad's keywords."""
+
+    name: str
+    loss: Callable[..., Any]
+    args: tuple
+    options: dict[str, Any]
+
+
+def _user_step(args: argparse.Namespace) -> _Step:
+    if args.params is None or args.batch is None:
+        raise ValueError("LOSS needs --params and --batch.")
+    loss = resolve(args.loss)
+    options = loss_options(args)
+    return _Step(f"Loss {args.loss}", loss, loss_arguments(args, options), options)
+
+
+def _demo_step(args: argparse.Namespace) -> _Step:
+    given = [
+        flag
+        for flag, value in (
+            ("--params", args.params),
+            ("--batch", args.batch),
+            ("--has-aux", args.has_aux),
+            ("--reduction", args.reduction),
+            ("--aux-reduction", args.aux_reduction),
+            ("--batch-argnums", args.batch_argnums),
+            ("--key-argnums", args.key_argnums),
+        )
+        if value not in (None, False)
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: for your own loss, named as LOSS (module:function);"
+            " without LOSS, plan plans the demo MLP."
+        )
+    from jaxaccum.cli._demo import batch_shapes, demo_task
+
+    task = demo_task(args)
+    call_args = (task.params, batch_shapes(task, args.batch_size))
+    options = {"remat": True} if args.remat else {}
+    return _Step(f"Model {task.name}", task.loss, call_args, options)
 
 
 def plan_command(args: argparse.Namespace) -> jaxaccum.MemoryPlan:
     """Plans the user's loss (``args.loss``), else the demo MLP."""
-    if args.loss is None:
-        from jaxaccum.cli._demo import batch_shapes, demo_task
-
-        task = demo_task(args)
-        loss, params, batch = (
-            task.loss,
-            task.params,
-            batch_shapes(task, args.batch_size),
-        )
-        name = f"Model {task.name}"
-    else:
-        if args.params is None or args.batch is None:
-            raise SystemExit("jaxaccum plan LOSS needs --params and --batch.")
-        loss, params, batch = (
-            resolve(args.loss),
-            _value(args.params),
-            parse_batch(args.batch),
-        )
-        name = f"Loss {args.loss}"
+    step = _demo_step(args) if args.loss is None else _user_step(args)
     optimizer = _optimizer(args.optimizer, args.learning_rate)
-    result = jaxaccum.plan(
-        loss,
-        params,
-        batch,
-        memory_budget=args.memory_budget,
-        candidates=args.candidates,
-        optimizer=optimizer,
-        remat=args.remat,
-    )
+    try:
+        result = jaxaccum.plan(
+            step.loss,
+            *step.args,
+            memory_budget=args.memory_budget,
+            candidates=args.candidates,
+            optimizer=optimizer,
+            **step.options,
+        )
+    except TypeError as error:
+        hint = output_hint(step.loss, step.args, step.options)
+        if hint is None:
+            raise
+        raise ValueError(hint) from error
     counted = "parameters and optimizer state count" if optimizer else "gradients only"
-    console.print(f"{name}, optimizer {args.optimizer}; {counted}.")
-    console.print(str(result))
+    console.print(
+        f"{step.name}, optimizer {args.optimizer}; {counted}.",
+        markup=False,
+        soft_wrap=True,
+    )
+    console.print(str(result), markup=False, soft_wrap=True)
+    keywords = "".join(f", {key}={value!r}" for key, value in step.options.items())
     console.print(
         "Use jaxaccum.value_and_grad(loss, "
-        f"num_microbatches={result.num_microbatches})."
+        f"num_microbatches={result.num_microbatches}{keywords}).",
+        markup=False,
+        soft_wrap=True,
     )
     return result
 
@@ -124,14 +309,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The plan command's own arguments (the demo model's are added apart)."""
     parser.add_argument(
         "loss",
+        metavar="LOSS",
         nargs="?",
         default=None,
-        help="module:function, loss(params, batch); default: the demo MLP",
+        help="module:function, loss(params, batch) returning a scalar (see "
+        "--has-aux, --reduction, --batch-argnums); default: the demo MLP",
     )
-    parser.add_argument("--params", help="module:attribute holding the params")
+    parser.add_argument(
+        "--params", help="module:attribute holding the params (argument 0)"
+    )
     parser.add_argument(
         "--batch",
-        help="module:attribute, or leaves like x=float32[8192,784],y=int32[8192]",
+        action="append",
+        help="module:attribute, one array like float32[8192,784], or leaves like "
+        "x=float32[8192,784],y=int32[8192]; once per batch argument",
+    )
+    parser.add_argument(
+        "--has-aux", action="store_true", help="LOSS returns (loss, aux)"
+    )
+    parser.add_argument(
+        "--reduction",
+        choices=REDUCTIONS,
+        default=None,
+        help="what LOSS's loss is over its batch; weighted: LOSS returns "
+        "(loss_sum, weight) (default mean)",
+    )
+    parser.add_argument(
+        "--aux-reduction",
+        choices=AUX_REDUCTIONS,
+        default=None,
+        help="how aux combines over micro-batches, with --has-aux (default mean)",
+    )
+    parser.add_argument(
+        "--batch-argnums",
+        type=argnums,
+        default=None,
+        metavar="I[,J...]",
+        help="LOSS's batch arguments, e.g. 1,2 for loss(params, x, y) (default 1)",
+    )
+    parser.add_argument(
+        "--key-argnums",
+        type=argnums,
+        default=None,
+        metavar="I[,J...]",
+        help="LOSS's PRNG key arguments (dropout), e.g. 2 for "
+        "loss(params, batch, key); planned with jax.random.key(0)",
     )
     parser.add_argument(
         "--optimizer",

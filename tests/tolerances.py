@@ -1,0 +1,30 @@
+"""The suite's float32 tolerances, derived from what the tests claim.
+
+An accumulated result and the full-batch one are the same sums taken in a
+different order (per micro-batch, then over micro-batches), and the same
+forward pass on batches of another shape, so the claim is equality up to
+float32 rounding. Rounding differs between CPUs (XLA picks its vector code,
+and with it the summation order and the fused multiply-adds, from the host):
+a tolerance is a bound on that rounding, never a figure read off one machine.
+
+- Summing ``n`` terms in float32, in any order, errs by at most
+  ``(n - 1) u sum|t_i|`` (``u = 2**-24``, the unit roundoff; Higham,
+  "Accuracy and Stability of Numerical Algorithms", 4.2); two orders differ by
+  at most twice that.
+- Two such stages meet in a gradient: the contractions of the forward and
+  backward pass (over features) and the sum over the batch. The tests' sums
+  have at most ``MAX_TERMS`` terms in each.
+- So a coordinate whose terms do not cancel agrees to ``RTOL``; one whose
+  terms cancel agrees to ``RTOL * sum|t_i|``, and the tests' data is of unit
+  scale (normal inputs, weights ``1 / sqrt(fan_in)``), so the mean of the
+  per-example gradients' magnitudes is at most about 1 and ``ATOL = RTOL``
+  covers it.
+
+A real mistake (a micro-batch counted twice or not at all, a loss scaled by N,
+an optimizer stepped per micro-batch) moves results by 1e-2 and more.
+"""
+
+UNIT_ROUNDOFF = 2.0**-24  # float32
+MAX_TERMS = 64  # rows per batch, features per contraction, in the tests
+RTOL = 2 * (2 * MAX_TERMS * UNIT_ROUNDOFF)  # two stages of two orders: 1.5e-5
+ATOL = RTOL  # times sum|t_i| <= 1 on unit-scale data
