@@ -25,6 +25,7 @@ from jaxaccum._window import (
     MicroResult,
     Window,
     WindowOut,
+    zeros_like_aval,
 )
 
 _P = ParamSpec("_P")
@@ -544,7 +545,8 @@ def _skip_inactive(
 
     def skipped(carry, xs):
         del xs
-        zeros = jax.tree.map(lambda aval: jnp.zeros(aval.shape, aval.dtype), out_shape)
+        # Sharded like the computed branch's outputs under an Explicit mesh.
+        zeros = jax.tree.map(lambda aval: zeros_like_aval(aval, aval.dtype), out_shape)
         stacked, micro_stats = zeros
         finite = jnp.ones_like(micro_stats.finite)
         return carry, (stacked, micro_stats._replace(finite=finite))

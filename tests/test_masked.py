@@ -7,11 +7,15 @@ micro-batch adds nothing), so only the loop's fusion differs around the
 lax.cond, a few float32 ulp per op: rtol 1e-6 (8 ulp), atol 1e-6 near zero.
 """
 
+import subprocess
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from check_scripts import device_env
 
 import jaxaccum
 
@@ -119,3 +123,40 @@ def test_pad_microbatches_keeps_each_micro_batch():
     np.testing.assert_array_equal(micro[3:], 0.0)
     with pytest.raises(ValueError, match="above max_microbatches"):
         jaxaccum.pad_microbatches(batch, 6, 4)
+
+
+EXPLICIT_MESH_CHECK = """
+import jax, jax.numpy as jnp, numpy as np, chex
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxaccum
+
+def loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2), x[:, 0]
+
+options = dict(has_aux=True, aux_reduction="stack")
+mesh = jax.make_mesh((4,), ("data",))  # Explicit axes
+x = np.random.RandomState(0).randn(32, 3).astype(np.float32)
+with jax.set_mesh(mesh):
+    window = jax.device_put(
+        jaxaccum.pad_microbatches(x, 2, 4), NamedSharding(mesh, P("data"))
+    )
+    step = jax.jit(jaxaccum.value_and_grad(loss, 4, masked=True, **options))
+    (value, aux), grads = step(jnp.ones(3), window, active_microbatches=2)
+want = jaxaccum.value_and_grad(loss, 2, **options)(jnp.ones(3), jnp.asarray(x))
+chex.assert_trees_all_close(((value, aux[:2]), grads), want, rtol=1e-6, atol=1e-6)
+np.testing.assert_array_equal(aux[2:], 0.0)
+"""
+
+
+def test_masked_on_an_explicit_mesh():
+    """On 4 devices with the batch sharded over Explicit axes, a skipped
+    micro-batch's zeros are typed like the computed ones' (lax.cond needs
+    both branches' shardings to match)."""
+    process = subprocess.run(
+        [sys.executable, "-c", EXPLICIT_MESH_CHECK],
+        env=device_env(4),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
