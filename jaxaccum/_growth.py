@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from jaxaccum._noise_scale import NoiseEstimates, NoiseScaleEMA, NoiseScaleState
+from jaxaccum._options import check_positive_int
 
 LearningRateRule = Literal["sqrt", "linear", "none", "adascale"]
 """How the learning rate follows the batch: ``"sqrt"`` (Adam-type optimizers),
@@ -82,17 +83,6 @@ def _float32(value: Any) -> jax.Array:
     return jnp.asarray(value, jnp.float32)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    """Raises unless ``value`` is a positive Python (or NumPy) int."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(
-            f"{name} must be a positive int, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}.")
-
-
 class BatchRampState(NamedTuple):
     """The state of :class:`BatchRamp`: a pytree, checkpointable as it is.
 
@@ -122,7 +112,7 @@ class BatchRamp:
     schedule: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
-        _check_positive_int("microbatch_size", self.microbatch_size)
+        check_positive_int("microbatch_size", self.microbatch_size)
         if not self.schedule:
             raise ValueError("schedule is empty; pass e.g. {0: 1, 100_000: 2}.")
         keys = [key for key, _ in self.schedule]
@@ -293,7 +283,7 @@ class NoiseScaleBatch:
             "warmup_windows",
             "min_windows_between_changes",
         ):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.min_microbatches < 2:
             raise ValueError(
                 f"min_microbatches must be >= 2, got {self.min_microbatches}: a "

@@ -42,16 +42,25 @@ def argnums_tuple(name: str, argnums: ArgNums) -> tuple[int, ...]:
     return nums
 
 
-def check_count(name: str, value: Any) -> None:
-    """Checks that a micro-batch count or size is a positive Python int."""
+def check_positive_int(name: str, value: Any, why: str = "") -> None:
+    """Checks that ``value`` is a positive Python (or NumPy) int; ``why``
+    follows the type error (why it cannot be a float or a traced value)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(
             f"{name} must be a positive Python int, got {value!r} of type "
-            f"{type(value).__name__}. It fixes the compiled loop's length, so "
-            "it cannot be a traced or float value."
+            f"{type(value).__name__}.{' ' + why if why else ''}"
         )
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}.")
+
+
+def check_count(name: str, value: Any) -> None:
+    """Checks that a micro-batch count or size is a positive Python int."""
+    check_positive_int(
+        name,
+        value,
+        "It fixes the compiled loop's length, so it cannot be a traced or float value.",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
