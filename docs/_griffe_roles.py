@@ -14,8 +14,9 @@ Three more rewrites, for the same reason (the docstrings stay plain for
   written here, not read from the projects' inventories: the build fetches
   nothing (CI has no network).
 - ``:math:`...``` becomes arithmatex's inline math, which MathJax renders.
-- each public function, class and module ends with a link to its source in
-  the repository (``source_url``, from mkdocs.yml).
+- each public function, class and module ends with its source file and
+  lines in the source tree, a link when mkdocs.yml gives the repository's
+  address (``source_url``; the project has none yet).
 """
 
 import importlib
@@ -113,14 +114,21 @@ def external_url(name: str) -> str | None:
 
 
 def _public_paths() -> dict[str, str]:
-    """Every documented name, by its public path and by its defining path."""
+    """Every documented name, by its public path and by its defining path; a
+    second public path of the same function leads to its first."""
     paths: dict[str, str] = {}
+    # A function exported by two modules is documented once, under the first.
+    documented: dict[int, str] = {}
     for module_name in PUBLIC_MODULES:
         module = importlib.import_module(module_name)
         paths[module_name] = module_name
         for name in module.__all__:
-            public = f"{module_name}.{name}"
             value = getattr(module, name)
+            if callable(value) and id(value) in documented:
+                paths[f"{module_name}.{name}"] = documented[id(value)]
+                continue
+            public = f"{module_name}.{name}"
+            documented.setdefault(id(value), public)
             paths[public] = public
             defined = getattr(value, "__module__", None)
             if defined and hasattr(value, "__qualname__"):
@@ -188,12 +196,16 @@ class SphinxRoles(griffe.Extension):
         obj.docstring.value = text + self._source_link(obj)
 
     def _source_link(self, obj: griffe.Object) -> str:
-        """A closing line linking a public object to its source."""
-        if not self.source_url or obj.path not in self.paths or obj.is_attribute:
+        """A closing line naming a public object's source file and lines,
+        linked when ``source_url`` says where the repository is."""
+        if obj.path not in self.paths or obj.is_attribute:
             return ""
         try:
             path = pathlib.Path(obj.filepath).resolve().relative_to(ROOT).as_posix()
         except (ValueError, TypeError):
             return ""
+        if self.source_url is None:
+            lines = "" if obj.is_module else f", lines {obj.lineno}-{obj.endlineno}"
+            return f"\n\nSource: `{path}`{lines}."
         lines = "" if obj.is_module else f"#L{obj.lineno}-L{obj.endlineno}"
         return f"\n\n[Source: `{path}`]({self.source_url}/{path}{lines})"

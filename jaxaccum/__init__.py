@@ -9,15 +9,22 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
+from jaxaccum._growth import EXAMPLES_ONLY as EXAMPLES_ONLY
+from jaxaccum._growth import STEPS_ONLY as STEPS_ONLY
 from jaxaccum._growth import BatchRamp as BatchRamp
 from jaxaccum._growth import BatchRampState as BatchRampState
 from jaxaccum._growth import LearningRateRule as LearningRateRule
+from jaxaccum._growth import NoiseMoments as NoiseMoments
 from jaxaccum._growth import NoiseScaleBatch as NoiseScaleBatch
 from jaxaccum._growth import NoiseScaleBatchState as NoiseScaleBatchState
 from jaxaccum._growth import ScaleByBatchState as ScaleByBatchState
+from jaxaccum._growth import ScheduleRamp as ScheduleRamp
+from jaxaccum._growth import StepCost as StepCost
 from jaxaccum._growth import batch_ramp as batch_ramp
 from jaxaccum._growth import batch_scale as batch_scale
+from jaxaccum._growth import measure_step_cost as measure_step_cost
 from jaxaccum._growth import noise_scale_batch as noise_scale_batch
+from jaxaccum._growth import ramp_from_schedule as ramp_from_schedule
 from jaxaccum._growth import (
     scale_by_batch_learning_rate as scale_by_batch_learning_rate,
 )
@@ -42,6 +49,7 @@ from jaxaccum._reduce import masked_sum as masked_sum
 from jaxaccum._shard import shard_batch as shard_batch
 from jaxaccum._shard import shard_value_and_grad as shard_value_and_grad
 from jaxaccum._split import pad_microbatches as pad_microbatches
+from jaxaccum._split import register_batch_node as register_batch_node
 from jaxaccum._split import split_batch as split_batch
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
@@ -55,6 +63,7 @@ __version__ = importlib.metadata.version("jaxaccum")
 __all__ = [
     "BatchRamp",
     "BatchRampState",
+    "EXAMPLES_ONLY",
     "FiniteReport",
     "LearningRateRule",
     "MemoryPlan",
@@ -64,11 +73,15 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "NoiseEstimates",
+    "NoiseMoments",
     "NoiseScaleBatch",
     "NoiseScaleBatchState",
     "NoiseScaleEMA",
     "NoiseScaleState",
+    "STEPS_ONLY",
     "ScaleByBatchState",
+    "ScheduleRamp",
+    "StepCost",
     "accumulate",
     "batch_ramp",
     "batch_scale",
@@ -76,11 +89,14 @@ __all__ = [
     "count_collectives",
     "grad",
     "masked_sum",
+    "measure_step_cost",
     "noise_scale_batch",
     "pad_microbatches",
     "parse_memory_budget",
     "plan",
     "plan_modes",
+    "ramp_from_schedule",
+    "register_batch_node",
     "scale_by_batch_learning_rate",
     "shard_batch",
     "shard_value_and_grad",

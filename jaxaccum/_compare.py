@@ -10,12 +10,12 @@ from jaxaccum._value_and_grad import make_accumulated
 
 
 def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
-    """Per-leaf ``(path, max abs error, relative error)`` of two pytrees.
+    r"""Per-leaf ``(path, max abs error, relative error)`` of two pytrees.
 
     The relative error is the max absolute error divided by the leaf's largest
-    ``|expected|``: elementwise ratios would explode on entries whose expected
-    value is (nearly) zero, such as the gradient of a bias followed by
-    BatchNorm.
+    :math:`|\text{expected}|`: elementwise ratios would explode on entries
+    whose expected value is (nearly) zero, such as the gradient of a bias
+    followed by BatchNorm.
 
     Args:
       actual: a pytree of arrays, e.g. the accumulated ``(value, grads)``.

@@ -68,14 +68,16 @@ class Cause(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
-    """The result of :func:`diagnose`; ``print`` it for a readable report.
+    r"""The result of :func:`diagnose`; ``print`` it for a readable report.
 
     Attributes:
       matches: whether the accumulated value and gradients equal the full-batch
         ones within ``rtol`` and ``atol``.
       num_microbatches: ``N``.
-      relative_error: ``|accumulated - full| / |full|`` over all gradient
-        leaves together (Euclidean norms).
+      relative_error:
+        :math:`\lVert a - f \rVert / \lVert f \rVert` (:math:`a` accumulated,
+        :math:`f` full batch)
+        over all gradient leaves together (Euclidean norms).
       leaf_errors: per leaf of ``{"value": ..., "grads": ...}``, its path and
         largest absolute and relative error.
       causes: the causes found (empty when it matches).
@@ -337,7 +339,7 @@ def _microbatch_weights(
     padded_size = _split.resolve_num_microbatches(
         batch_size, num, None, pad=options.pad
     ).padded_size
-    view = _split.strided_view(_split.pad_batch(batch_vals, padded_size), num)
+    batch = _split.strided_batch(_split.pad_batch(batch_vals, padded_size), num)
     mask_view = _split.strided_view(jnp.arange(padded_size) < batch_size, num)
     keys = [
         jax.tree.map(lambda key: jax.random.split(key, num), args[i])
@@ -355,7 +357,7 @@ def _microbatch_weights(
     call_args = list(args) + ([None] if options.pad else [])
     columns = []
     for index in range(num):
-        micro_batch = _split.take_microbatch(view, index)
+        micro_batch = batch.microbatch(index)
         for num_arg, value in zip(options.batch_nums, micro_batch, strict=True):
             call_args[num_arg] = value
         if num > 1:

@@ -32,6 +32,7 @@ from jaxaccum._noise_scale import (
     in_stats_precision,
     squared_norm,
 )
+from jaxaccum._options import check_scalar
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._window import accum_dtype_for
 
@@ -59,7 +60,8 @@ class MultiStepsState(NamedTuple):
       acc_weight: float32 scalar, the window's total weight (the number of
         accepted calls when no ``weight`` is passed); reset like ``acc_grads``.
       acc_sq_norm: with ``track_noise_scale``, float32 ``(2,)``: the window's
-        sum of ``weight * |gradient|^2`` over calls (reset like ``acc_grads``)
+        sum of :math:`w |g|^2` (each call's ``weight`` times its gradient's
+        squared norm) over calls (reset like ``acc_grads``)
         and the squared norm of the last emitted window's mean gradient;
         ``()`` without.
       window_calls: with ``track_noise_scale``, int32: the window's accepted
@@ -101,19 +103,7 @@ def _check_every_k(
 ) -> jax.typing.ArrayLike:
     """Rejects a window length that is not an integer scalar, or a concrete
     one below 1; ``source`` names where it came from, ``hint`` the fix."""
-    if isinstance(every_k, bool):
-        raise TypeError(f"{source} must be an integer scalar, got a bool. {hint}")
-    dtype, shape = jnp.result_type(every_k), jnp.shape(every_k)
-    if not jnp.issubdtype(dtype, jnp.integer) or shape != ():
-        raise TypeError(
-            f"{source} must be an integer scalar, got dtype {dtype} and shape "
-            f"{shape}. {hint}"
-        )
-    if not isinstance(every_k, jax.core.Tracer) and int(jnp.asarray(every_k)) < 1:
-        raise ValueError(
-            f"{source} must be >= 1 calls per window, got "
-            f"{int(jnp.asarray(every_k))}. {hint}"
-        )
+    check_scalar(source, every_k, integer=True, low=1, hint=hint)
     return every_k
 
 
@@ -441,7 +431,7 @@ class MultiSteps:
         )
 
     def _window_sq_norm(self, acc_grads: Any, acc_weight: jax.Array) -> Any:
-        """With ``track_noise_scale``, ``|G_B|^2`` of the window's mean gradient."""
+        """With ``track_noise_scale``, :math:`|G_B|^2` of the window's mean gradient."""
         if not self._track_noise_scale:
             return ()
         mean = divide_by_total_weight(
@@ -547,11 +537,11 @@ class MultiSteps:
         ``weight=`` a call weighs 1. The state keeps the window's sums only,
         so the per-micro-batch fields are empty, shape ``(0,)``:
 
-        * ``big_batch``: the window's total weight ``W``.
-        * ``grad_sq_norm``: ``|G_B|^2`` of the window's mean gradient.
+        * ``big_batch``: the window's total weight :math:`W`.
+        * ``grad_sq_norm``: :math:`|G_B|^2` of the window's mean gradient.
         * ``gradient_norm_sq``, ``gradient_noise_trace``, ``noise_scale``: as
-          :meth:`noise_estimates`, with ``b = W / N`` over the ``N`` calls of
-          non-zero weight (NaN for ``N == 1``).
+          :meth:`noise_estimates`, with :math:`b = W / N` over the :math:`N`
+          calls of non-zero weight (NaN for :math:`N = 1`).
         * ``finite``: whether both squared-norm sums are finite, i.e. every
           call's gradient was (rejected calls do not count).
         * ``microbatch_grad_sq_norm``, ``small_batch``,

@@ -1,12 +1,14 @@
-"""Is the big batch worth it? The gradient noise scale from a window's gradients.
+r"""Is the big batch worth it? The gradient noise scale from a window's gradients.
 
-A window holds gradients at two batch sizes: each micro-batch's (small, ``b``)
-and the window's (big, ``B``). The squared norm of a mean gradient over ``w``
-independent examples has expectation ``|G|^2 + tr(Sigma) / w`` (``G`` the true
-gradient, ``Sigma`` the per-example covariance), so the two sizes give unbiased
+A window holds gradients at two batch sizes: each micro-batch's (small,
+:math:`b`) and the window's (big, :math:`B`). The squared norm of a mean
+gradient over :math:`w` independent examples has expectation
+:math:`|G|^2 + \operatorname{tr}(\Sigma) / w` (:math:`G` the true gradient,
+:math:`\Sigma` the per-example covariance), so the two sizes give unbiased
 estimates of both (McCandlish et al. 2018, "An Empirical Model of Large-Batch
-Training", appendix A.1), and their ratio ``B_simple = tr(Sigma) / |G|^2``
-says roughly where a bigger batch stops cutting the number of steps.
+Training", appendix A.1), and their ratio
+:math:`B_\text{simple} = \operatorname{tr}(\Sigma) / |G|^2` says roughly where
+a bigger batch stops cutting the number of steps.
 """
 
 from typing import Any, NamedTuple
@@ -15,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+
+from jaxaccum._options import check_scalar
 
 
 def in_stats_precision(leaf: Any) -> jax.Array:
@@ -34,47 +38,52 @@ def squared_norm(tree: Any) -> jax.Array:
 
 
 class WindowStats(NamedTuple):
-    """What one window's gradients say about the batch size.
+    r"""What one window's gradients say about the batch size.
 
     Returned by :func:`jaxaccum.value_and_grad` with ``report_stats=True``.
     Batch sizes are weights: examples, or with ``reduction="weighted"`` the
     weight ``fun`` returns (tokens, say).
 
-    The estimators. Micro-batch ``k`` has weight ``w_k`` and mean gradient
-    ``G_k`` (its loss gradient divided by ``w_k`` for ``"sum"`` and
-    ``"weighted"``); the window has ``W = sum_k w_k`` and mean gradient
-    ``G_B = sum_k w_k G_k / W``. With per-example gradients of mean ``G`` and
-    covariance ``Sigma``, ``E|G_k|^2 = |G|^2 + tr(Sigma) / w_k`` and
-    ``E|G_B|^2 = |G|^2 + tr(Sigma) / W``. The weight-weighted mean of the
-    micro-batch norms, ``S_b = sum_k (w_k / W) |G_k|^2``, then has expectation
-    ``|G|^2 + tr(Sigma) N' / W`` (``N'`` micro-batches of non-zero weight):
-    it behaves as one batch of ``b = W / N'``, which is ``B / N`` for equal
-    micro-batches. With ``S_B = |G_B|^2`` and ``B = W``:
+    The estimators. Micro-batch :math:`k` has weight :math:`w_k` and mean
+    gradient :math:`G_k` (its loss gradient divided by :math:`w_k` for
+    ``"sum"`` and ``"weighted"``); the window has :math:`W = \sum_k w_k` and
+    mean gradient :math:`G_B = \sum_k w_k G_k / W`. With per-example gradients
+    of mean :math:`G` and covariance :math:`\Sigma`,
+    :math:`\mathbb{E}|G_k|^2 = |G|^2 + \operatorname{tr}(\Sigma) / w_k` and
+    :math:`\mathbb{E}|G_B|^2 = |G|^2 + \operatorname{tr}(\Sigma) / W`. The
+    weight-weighted mean of the micro-batch norms,
+    :math:`S_b = \sum_k (w_k / W)\, |G_k|^2`, then has expectation
+    :math:`|G|^2 + \operatorname{tr}(\Sigma)\, N' / W` (:math:`N'`
+    micro-batches of non-zero weight): it behaves as one batch of
+    :math:`b = W / N'`, which is :math:`B / N` for equal micro-batches. With
+    :math:`S_B = |G_B|^2` and :math:`B = W`:
 
-    * ``|G|^2 ~ (B S_B - b S_b) / (B - b)``
-    * ``tr(Sigma) ~ (S_b - S_B) / (1 / b - 1 / B)``
+    * :math:`|G|^2 \approx \dfrac{B S_B - b S_b}{B - b}`
+    * :math:`\operatorname{tr}(\Sigma) \approx \dfrac{S_b - S_B}{1/b - 1/B}`
 
     Each is unbiased; their ratio is not, so over a run average the two (see
     :class:`NoiseScaleEMA`) and divide the averages. With one micro-batch
-    (``N' == 1``) there is one batch size and both are NaN, as is the noise
+    (:math:`N' = 1`) there is one batch size and both are NaN, as is the noise
     scale: that is not an error. Under ``shard_value_and_grad`` every device's
-    micro-batches count: ``N' = N D`` of ``B / (N D)`` rows each. A squared
-    norm is ``sum real(x * conj(x))`` over every leaf, complex ones included.
+    micro-batches count: :math:`N' = N D` of :math:`B / (N D)` rows each. A
+    squared norm is :math:`\sum \operatorname{Re}(x \bar{x})` over every leaf,
+    complex ones included.
 
     Attributes:
-      microbatch_grad_sq_norm: float32 ``(N,)``, ``|G_k|^2`` (under
+      microbatch_grad_sq_norm: float32 ``(N,)``, :math:`|G_k|^2` (under
         ``shard_value_and_grad``, the mean over devices).
-      grad_sq_norm: float32, ``|G_B|^2``, the squared norm of the window's
+      grad_sq_norm: float32, :math:`|G_B|^2`, the squared norm of the window's
         mean gradient: the returned gradient's, except for ``"sum"``, where it
-        is that of the returned gradient divided by ``W``. So every field is
+        is that of the returned gradient divided by :math:`W`. So every field is
         the same for a sum loss as for the mean loss on the same data.
-      small_batch: float32 ``(N,)``, each micro-batch's weight ``w_k`` (summed
+      small_batch: float32 ``(N,)``, each micro-batch's weight :math:`w_k` (summed
         over devices under ``shard_value_and_grad``).
-      big_batch: float32, ``B = W``.
-      gradient_norm_sq: the unbiased estimate of ``|G|^2``.
-      gradient_noise_trace: the unbiased estimate of ``tr(Sigma)``.
+      big_batch: float32, :math:`B = W`.
+      gradient_norm_sq: the unbiased estimate of :math:`|G|^2`.
+      gradient_noise_trace: the unbiased estimate of
+        :math:`\operatorname{tr}(\Sigma)`.
       noise_scale: ``gradient_noise_trace / gradient_norm_sq``, this window's
-        (noisy) ``B_simple``, in the units of ``big_batch``.
+        (noisy) :math:`B_\text{simple}`, in the units of ``big_batch``.
       microbatch_finite: bool ``(N,)``, as in :class:`jaxaccum.FiniteReport`.
       finite: bool, all of them.
     """
@@ -212,11 +221,12 @@ def window_stats(
 
 
 class NoiseScaleState(NamedTuple):
-    """The state of :class:`NoiseScaleEMA`: a pytree, checkpointable as it is.
+    r"""The state of :class:`NoiseScaleEMA`: a pytree, checkpointable as it is.
 
     Attributes:
-      gradient_norm_sq: EMA of the ``|G|^2`` estimates (not bias-corrected).
-      gradient_noise_trace: EMA of the ``tr(Sigma)`` estimates (likewise).
+      gradient_norm_sq: EMA of the :math:`|G|^2` estimates (not bias-corrected).
+      gradient_noise_trace: EMA of the :math:`\operatorname{tr}(\Sigma)`
+        estimates (likewise).
       num_windows: int32, windows averaged so far (those with finite
         estimates).
     """
@@ -227,12 +237,14 @@ class NoiseScaleState(NamedTuple):
 
 
 class NoiseScaleEMA:
-    """Running ``B_simple``: averages of ``|G|^2`` and ``tr(Sigma)``, divided.
+    r"""Running :math:`B_\text{simple}`: averages of :math:`|G|^2` and
+    :math:`\operatorname{tr}(\Sigma)`, divided.
 
-    Each window's estimates are unbiased but noisy (a window's ``|G|^2``
+    Each window's estimates are unbiased but noisy (a window's :math:`|G|^2`
     estimate can be negative); their ratio is biased. So, as gpt-neox does,
     this keeps exponential moving averages of the numerator and the
-    denominator separately, bias-corrected as in Adam (``1 - decay^num_windows``),
+    denominator separately, bias-corrected as in Adam
+    (:math:`1 - \text{decay}^{\text{num\_windows}}`),
     and :meth:`noise_scale` divides the averages. Windows with a NaN or
     infinite estimate (one micro-batch, a non-finite gradient) are skipped.
 
@@ -251,7 +263,8 @@ class NoiseScaleEMA:
     """
 
     def __init__(self, decay: float = 0.99):
-        if not 0.0 <= decay < 1.0:
+        check_scalar("decay", decay, integer=False, low=0)
+        if not decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}.")
         self.decay = decay
 
@@ -284,14 +297,16 @@ class NoiseScaleEMA:
         )
 
     def gradient_norm_sq(self, state: NoiseScaleState) -> jax.Array:
-        """The bias-corrected average ``|G|^2``; NaN before any window."""
+        """The bias-corrected average :math:`|G|^2`; NaN before any window."""
         return self._corrected(state)[0]
 
     def gradient_noise_trace(self, state: NoiseScaleState) -> jax.Array:
-        """The bias-corrected average ``tr(Sigma)``; NaN before any window."""
+        r"""The bias-corrected average :math:`\operatorname{tr}(\Sigma)`; NaN
+        before any window."""
         return self._corrected(state)[1]
 
     def noise_scale(self, state: NoiseScaleState) -> jax.Array:
-        """``B_simple``: the ratio of the averages; NaN before any window."""
+        r"""The noise scale :math:`B_\text{simple}`: the ratio of the averages;
+        NaN before any window."""
         norm_sq, trace = self._corrected(state)
         return trace / norm_sq

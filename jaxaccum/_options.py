@@ -9,10 +9,13 @@ and where a front end needs a variant it derives it with
 
 import dataclasses
 import inspect
+import math
+import numbers
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,9 +45,14 @@ def argnums_tuple(name: str, argnums: ArgNums) -> tuple[int, ...]:
     return nums
 
 
+# Counts live in int32 arrays (controller states, traced window lengths).
+INT32_MAX = 2**31 - 1
+
+
 def check_positive_int(name: str, value: Any, why: str = "") -> None:
-    """Checks that ``value`` is a positive Python (or NumPy) int; ``why``
-    follows the type error (why it cannot be a float or a traced value)."""
+    """Checks that ``value`` is a positive Python (or NumPy) int that fits in
+    int32; ``why`` follows the type error (why it cannot be a float or a
+    traced value)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(
             f"{name} must be a positive Python int, got {value!r} of type "
@@ -52,6 +60,70 @@ def check_positive_int(name: str, value: Any, why: str = "") -> None:
         )
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}.")
+    if value > INT32_MAX:
+        raise ValueError(
+            f"{name} must be at most 2**31 - 1 = {INT32_MAX} (it is kept as an "
+            f"int32), got {value}."
+        )
+
+
+def _range_text(low: float | None, high: float | None, open_low: bool) -> str:
+    if high is not None:
+        return f"from {low} to {high}"
+    if low is None:
+        return "finite"
+    return f"{'>' if open_low else '>='} {low}"
+
+
+def check_scalar(
+    name: str,
+    value: Any,
+    *,
+    integer: bool,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    hint: str = "",
+) -> None:
+    """Checks a numeric argument: a Python, NumPy or JAX scalar (shape
+    ``()``), an integer (``integer``) or a real number, not a bool, finite and
+    in ``[low, high]`` (``(low, high]`` with ``open_low``). A traced value is
+    checked for its dtype and shape only: its value is not known.
+
+    Raises:
+      TypeError: for a value of another type, dtype or shape, naming ``name``.
+      ValueError: for a concrete value out of range, naming ``name``, the
+        value and the range; ``hint`` (what to pass) ends both messages.
+    """
+    kind = "an integer scalar" if integer else "a real scalar"
+    allowed = _range_text(low, high, open_low)
+    suffix = f" {hint}" if hint else ""
+    is_number = isinstance(value, numbers.Number) or hasattr(value, "dtype")
+    if isinstance(value, bool | np.bool_) or not is_number:
+        shown = (
+            f"{value!r} of type {type(value).__name__}"
+            if isinstance(value, str | bool | np.bool_)
+            else f"a {type(value).__name__}"
+        )
+        raise TypeError(f"{name} must be {kind} ({allowed}), got {shown}.{suffix}")
+    dtype, shape = jnp.result_type(value), jnp.shape(value)
+    wanted = (jnp.integer,) if integer else (jnp.integer, jnp.floating)
+    if shape != () or not any(jnp.issubdtype(dtype, kind_) for kind_ in wanted):
+        shown = (
+            f"{value!r}"
+            if isinstance(value, numbers.Number)
+            else f"an array of dtype {dtype} and shape {shape}"
+        )
+        raise TypeError(f"{name} must be {kind} ({allowed}), got {shown}.{suffix}")
+    if isinstance(value, jax.core.Tracer):
+        return
+    number = value.item() if hasattr(value, "item") else value
+    in_range = math.isfinite(number) and (
+        (low is None or number > low or (number == low and not open_low))
+        and (high is None or number <= high)
+    )
+    if not in_range:
+        raise ValueError(f"{name} must be {allowed}, got {number!r}.{suffix}")
 
 
 def check_count(name: str, value: Any) -> None:
@@ -128,6 +200,8 @@ class AccumOptions:
             check_count("num_microbatches", self.num_microbatches)
         else:
             check_count("microbatch_size", self.microbatch_size)
+        if not isinstance(self.unroll, bool):
+            check_positive_int("unroll", self.unroll, "Pass a bool or a count.")
         if self.reduction not in REDUCTIONS:
             raise ValueError(
                 f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}."

@@ -264,6 +264,14 @@ def plan(
                 f"plan chooses the number of micro-batches itself; do not pass "
                 f"{name}. Restrict the choice with candidates=[...] instead."
             )
+    if value_and_grad_kwargs.get("masked"):
+        raise TypeError(
+            "plan does not take masked=True: it compiles one program per "
+            "candidate N, and a masked program holds the buffers of its largest "
+            "window whatever active_microbatches is. Plan without masked, and "
+            "build value_and_grad(fun, plan.num_microbatches, masked=True) "
+            "with the N it chooses as the window's maximum."
+        )
     budget = parse_memory_budget(memory_budget)
     # Validates argnums, batch_argnums and the rest once, before compiling.
     options = AccumOptions(1, **value_and_grad_kwargs)
@@ -488,7 +496,12 @@ def _check_candidates(candidates: Iterable[int] | None, batch_size: int) -> list
         )
     for num in candidates:
         check_count("each candidate number of micro-batches", num)
-        _split.resolve_num_microbatches(batch_size, num, None)
+        if batch_size % num:
+            raise ValueError(
+                f"Candidate num_microbatches={num} does not divide the batch "
+                f"size {batch_size}: plan compiles whole, equal micro-batches. "
+                f"Choose candidates from {_split.divisors(batch_size)}."
+            )
     return sorted(set(int(num) for num in candidates))
 
 

@@ -17,7 +17,7 @@ error (see :func:`check_sharded_split`).
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -58,14 +58,114 @@ class Split(NamedTuple):
 
 # Containers whose flattening data is their keys or type, never a size.
 _PLAIN_NODES = (tuple, list, dict, collections.OrderedDict, collections.defaultdict)
+# register_batch_node's registry: node type -> how its static data is resized
+# to a micro-batch's rows (None: it holds no batch size).
+_BATCH_NODES: dict[type, Callable[[Any, int], Any] | None] = {}
+
+
+def register_batch_node(
+    node_type: type, resize: Callable[[Any, int], Any] | None = None
+) -> None:
+    """Declares how jaxaccum splits a pytree node type whose static data
+    (its ``tree_flatten`` aux data) mentions the batch size.
+
+    jaxaccum refuses a batch node whose static data holds an integer equal to
+    the batch size: it cuts the node's arrays into micro-batches but cannot
+    know what that integer means. Registering the type says it:
+
+    * ``resize=None``: the static data holds no batch size (a ``num_classes``
+      that happens to equal it, say); the node is split like any pytree.
+    * ``resize(static, size)``: returns the static data of the node holding
+      ``size`` rows; every micro-batch (and the outputs of
+      :func:`split_batch` and :func:`pad_microbatches`) is built with it. For
+      haliax's ``NamedArray``, whose static data is its axes::
+
+        jaxaccum.register_batch_node(
+            hax.NamedArray,
+            lambda axes, size: tuple(
+                axis.resize(size) if axis.name == "batch" else axis
+                for axis in axes
+            ),
+        )
+
+    Like ``jax.tree_util.register_pytree_node``, this is process-wide;
+    registering a type again replaces its entry.
+
+    Args:
+      node_type: the pytree node class.
+      resize: ``resize(static, size) -> static``, or None.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxaccum
+      >>> @jax.tree_util.register_pytree_node_class
+      ... class Rows:
+      ...     def __init__(self, x, size):
+      ...         self.x, self.size = x, size
+      ...     def tree_flatten(self):
+      ...         return (self.x,), self.size
+      ...     @classmethod
+      ...     def tree_unflatten(cls, size, children):
+      ...         return cls(children[0], size)
+      >>> jaxaccum.register_batch_node(Rows, lambda static, size: size)
+      >>> loss = lambda w, rows: jnp.sum(rows.x @ w) / rows.size
+      >>> step = jaxaccum.value_and_grad(loss, 2)
+      >>> float(step(jnp.ones(2), Rows(jnp.ones((4, 2)), 4))[0])
+      2.0
+    """
+    if not isinstance(node_type, type):
+        raise TypeError(f"node_type must be a class, got {node_type!r}.")
+    if resize is not None and not callable(resize):
+        raise TypeError(
+            f"resize must be a function resize(static, size) -> static or None, "
+            f"got {resize!r}."
+        )
+    _BATCH_NODES[node_type] = resize
+
+
+def resized_treedef(tree: Any, size: int) -> Any:
+    """``tree``'s structure with the static data of every node registered with
+    a ``resize`` (:func:`register_batch_node`) resized to ``size`` rows."""
+
+    def resized(treedef: Any) -> Any:
+        if jax.tree_util.treedef_is_leaf(treedef):
+            return treedef
+        node_type, static = treedef.node_data()
+        resize = _BATCH_NODES.get(node_type)
+        if resize is not None:
+            static = resize(static, size)
+        children = [resized(child) for child in treedef.children()]
+        return jax.tree_util.PyTreeDef.from_node_data_and_children(
+            jax.tree_util.default_registry, (node_type, static), children
+        )
+
+    return resized(jax.tree.structure(tree))
+
+
+def _int_value(static: Any) -> int | None:
+    """``static`` as an int if it is one: a Python, NumPy or concrete JAX
+    integer scalar (not a bool); else None."""
+    if isinstance(static, bool | np.bool_):
+        return None
+    if isinstance(static, int | np.integer):
+        return int(static)
+    if (
+        isinstance(static, np.ndarray | jax.Array)
+        and not isinstance(static, jax.core.Tracer)
+        and static.shape == ()
+        and jnp.issubdtype(static.dtype, jnp.integer)
+    ):
+        return int(static)
+    return None
 
 
 def _holds_size(static: Any, size: int, depth: int = 4) -> bool:
     """Whether ``static`` (a node's flattening data) holds the int ``size``,
     looking through containers and dataclass fields (an axis ``("batch", 32)``,
     ``Axis(name="batch", size=32)``)."""
-    if isinstance(static, int) and not isinstance(static, bool):
-        return static == size
+    number = _int_value(static)
+    if number is not None:
+        return number == size
     if depth == 0:
         return False
     if dataclasses.is_dataclass(static) and not isinstance(static, type):
@@ -85,7 +185,8 @@ def check_static_sizes(batches: Sequence[tuple[str, Any]], size: int) -> None:
     Such a node (haliax's ``NamedArray``, whose axes say ``Batch size=32``) is
     split like any pytree: its arrays are cut into micro-batches, but its static
     data is not, so the model later sees arrays of ``B / N`` rows labelled
-    ``B``. jaxaccum cannot know what the static data means, so it refuses them.
+    ``B``. jaxaccum cannot know what the static data means, so it refuses them
+    unless their type is registered with :func:`register_batch_node`.
 
     Raises:
       ValueError: naming the node, its type, its static data and the fix.
@@ -97,15 +198,19 @@ def check_static_sizes(batches: Sequence[tuple[str, Any]], size: int) -> None:
             return  # a leaf
         children, static = flat
         # A plain container's data is its keys, a namedtuple's is its type.
-        if not isinstance(node, _PLAIN_NODES) and _holds_size(static, size):
+        declared = isinstance(node, _PLAIN_NODES) or type(node) in _BATCH_NODES
+        if not declared and _holds_size(static, size):
+            name = type(node).__name__
             raise ValueError(
-                f"Batch node {_label(prefix, path)} is a {type(node).__name__} "
-                f"whose static (non-array) data holds the batch size {size}: "
-                f"{static!r}. Splitting it into micro-batches would cut its "
-                "arrays but not that size, so the model would see mislabelled "
-                "micro-batches. Pass the raw arrays as the batch and wrap them "
-                "inside the loss (e.g. haliax: hax.named(x, axes) with the "
-                "micro-batch's size, read from x.shape)."
+                f"Batch node {_label(prefix, path)} is a {name} whose static "
+                f"(non-array) data holds the batch size {size}: {static!r}. "
+                "Splitting it into micro-batches would cut its arrays but not "
+                "that size, so the model would see mislabelled micro-batches. "
+                f"Declare how a {name} splits with jaxaccum.register_batch_node("
+                f"{name}, resize) (resize(static, size) returns its static data "
+                f"for `size` rows), or jaxaccum.register_batch_node({name}) if "
+                "that number is not a batch size; or pass the raw arrays as the "
+                "batch and wrap them inside the loss."
             )
         for key, child in children:
             check(prefix, (*path, key), child)
@@ -300,6 +405,28 @@ def take_microbatch(view: Any, index: jax.typing.ArrayLike) -> Any:
     )
 
 
+class StridedBatch(NamedTuple):
+    """A batch as its leaves' strided views, and its structure at one
+    micro-batch's size (:func:`register_batch_node`)."""
+
+    views: list
+    treedef: Any
+
+    def microbatch(self, index: jax.typing.ArrayLike) -> Any:
+        """Micro-batch ``index``, a pytree like the batch."""
+        return jax.tree.unflatten(self.treedef, take_microbatch(self.views, index))
+
+
+def strided_batch(batch: Any, num_microbatches: int) -> StridedBatch:
+    """``batch`` (of ``B`` rows, ``N`` dividing it) ready to be taken apart
+    micro-batch by micro-batch; no node is rebuilt at the view's shapes."""
+    leaves = jax.tree.leaves(batch)
+    rows = leaves[0].shape[0] // num_microbatches
+    return StridedBatch(
+        strided_view(leaves, num_microbatches), resized_treedef(batch, rows)
+    )
+
+
 def split_batch(batch: Any, num_microbatches: int) -> Any:
     """Splits a batch into ``num_microbatches`` strided micro-batches.
 
@@ -325,14 +452,17 @@ def split_batch(batch: Any, num_microbatches: int) -> Any:
     check_count("num_microbatches", num_microbatches)
     size = batch_size_of([("batch", batch)])
     resolve_num_microbatches(size, num_microbatches, None)
-    return jax.tree.map(
-        lambda x: jnp.swapaxes(x, 0, 1), strided_view(batch, num_microbatches)
+    views = strided_view(jax.tree.leaves(batch), num_microbatches)
+    return jax.tree.unflatten(
+        resized_treedef(batch, size // num_microbatches),
+        [jnp.swapaxes(view, 0, 1) for view in views],
     )
 
 
 def pad_microbatches(batch: Any, num_microbatches: int, max_microbatches: int) -> Any:
     """Lays a batch of ``num_microbatches`` micro-batches out as one of
-    ``max_microbatches``, the last ones empty (zeros), for ``masked=True``.
+    ``max_microbatches``, the last ones empty (zeros; typed PRNG keys, which
+    have no zero, copies of a valid key), for ``masked=True``.
 
     Micro-batch ``k < num_microbatches`` of the result (its rows ``k, k + M,
     ...``, as :func:`split_batch` splits) holds the rows of micro-batch ``k``
@@ -371,14 +501,29 @@ def pad_microbatches(batch: Any, num_microbatches: int, max_microbatches: int) -
             f"max_microbatches={max_microbatches}: the window cannot hold it."
         )
     size = batch_size_of([("batch", batch)])
-    resolve_num_microbatches(size, num_microbatches, None)
+    if size % num_microbatches:
+        raise ValueError(
+            f"The batch has {size} rows, which num_microbatches="
+            f"{num_microbatches} does not divide: pad_microbatches lays out "
+            "micro-batches of equal size. Pass a batch of num_microbatches * "
+            "microbatch_size rows (num_microbatches from "
+            f"{divisors(size)} divide {size})."
+        )
     rows = size // num_microbatches
+    missing = max_microbatches - num_microbatches
 
     def pad(x: Any) -> Any:
-        numpy = np if isinstance(x, np.ndarray) else jnp
         view = x.reshape(rows, num_microbatches, *x.shape[1:])
-        widths = [(0, 0), (0, max_microbatches - num_microbatches)]
-        view = numpy.pad(view, widths + [(0, 0)] * (x.ndim - 1))
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # no zero: valid keys
+            fill = jnp.broadcast_to(view[:, :1], (rows, missing, *x.shape[1:]))
+            view = jnp.concatenate([view, fill], axis=1)
+        else:
+            numpy = np if isinstance(x, np.ndarray) else jnp
+            widths = [(0, 0), (0, missing)] + [(0, 0)] * (x.ndim - 1)
+            view = numpy.pad(view, widths)
         return view.reshape(rows * max_microbatches, *x.shape[1:])
 
-    return jax.tree.map(pad, batch)
+    return jax.tree.unflatten(
+        resized_treedef(batch, rows * max_microbatches),
+        [pad(leaf) for leaf in jax.tree.leaves(batch)],
+    )

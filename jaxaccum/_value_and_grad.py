@@ -18,6 +18,7 @@ from jaxaccum._options import (
     ArgNums,
     Reduction,
     check_accepts_example_mask,
+    check_scalar,
 )
 from jaxaccum._window import (
     FiniteReport,
@@ -140,7 +141,13 @@ def value_and_grad(
         the active micro-batches, :class:`WindowStats` count only them, and
         ``"stack"`` / ``"concat"`` aux of skipped micro-batches are zeros.
         Keys are split ``N`` ways whatever ``active`` (micro-batch ``k`` gets
-        key ``k``).
+        key ``k``). With ``microbatch_size``, ``N`` is the batch's rows over
+        it. A concrete count outside ``1 .. N`` (or a float, a bool) is an
+        error; a traced one cannot raise, so it gives no plausible number:
+        the value, gradients, float aux leaves and :class:`WindowStats` are
+        NaN, the finite flags False and integer aux leaves their dtype's
+        most negative value (the new state is returned as computed). Passing
+        ``active_microbatches`` without ``masked`` is an error.
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``, or
@@ -270,7 +277,7 @@ def make_accumulated(
 
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> Any:
-        active = _active_microbatches(kwargs, options)
+        active = _pop_active_microbatches(kwargs, options)
         check_arg_count(args, options)
         labelled_batches = [(f"args[{i}]", args[i]) for i in options.batch_nums]
         split = _split.resolve_num_microbatches(
@@ -279,6 +286,10 @@ def make_accumulated(
             options.microbatch_size,
             pad=options.pad,
         )
+        valid = None
+        if active is not None:
+            valid = _check_active_microbatches(active, split.num_microbatches)
+            active = jnp.asarray(active, jnp.int32)
         if split.num_microbatches > 1:
             _split.check_sharded_split(
                 labelled_batches, split.padded_size, split.num_microbatches
@@ -287,15 +298,51 @@ def make_accumulated(
         micro = _micro_value_and_grad(fun, args, kwargs, options)
         inputs = _inputs(args, options, split, active)
         run = _single if split.num_microbatches == 1 else _scan
-        return _package(run(micro, inputs, options, split), options)
+        return _package(run(micro, inputs, options, split), options, valid)
 
+    if options.masked:
+        add_active_microbatches_parameter(accumulated, fun)
     return accumulated
 
 
-def _active_microbatches(kwargs: dict, options: AccumOptions) -> Any:
-    """With ``masked``, the call's ``active_microbatches`` (popped from
-    ``kwargs``: ``fun`` never sees it), checked where it is concrete."""
+def add_active_microbatches_parameter(
+    accumulated: Callable[..., Any], fun: Callable[..., Any]
+) -> None:
+    """Gives ``accumulated`` ``fun``'s signature plus the keyword-only
+    ``active_microbatches``, so that wrappers which bind the signature
+    (``eqx.filter_jit``) accept it; ``functools.wraps`` alone would give it
+    ``fun``'s, without it."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):  # no signature to read (a C function)
+        return
+    if "active_microbatches" in signature.parameters:
+        return
+    parameters = list(signature.parameters.values())
+    keyword = inspect.Parameter(
+        "active_microbatches", inspect.Parameter.KEYWORD_ONLY, annotation=int
+    )
+    at = len(parameters)
+    if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
+        at -= 1
+    parameters.insert(at, keyword)
+    accumulated.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=parameters
+    )
+
+
+def _pop_active_microbatches(kwargs: dict, options: AccumOptions) -> Any:
+    """With ``masked``, the call's ``active_microbatches``, popped from
+    ``kwargs`` (``fun`` never sees it); without, a refusal if it is passed."""
     if not options.masked:
+        if "active_microbatches" in kwargs:
+            raise TypeError(
+                "active_microbatches was passed to a function built without "
+                "masked=True: it would reach fun as a keyword argument (or "
+                "be lost in its **kwargs) and every micro-batch would be "
+                "computed. Build the function with masked=True to compute "
+                "only the first active_microbatches micro-batches."
+            )
         return None
     if "active_microbatches" not in kwargs:
         raise TypeError(
@@ -303,15 +350,25 @@ def _active_microbatches(kwargs: dict, options: AccumOptions) -> Any:
             "argument active_microbatches: how many of the window's "
             "micro-batches to compute (an int, traced under jit)."
         )
-    active = kwargs.pop("active_microbatches")
+    return kwargs.pop("active_microbatches")
+
+
+def _check_active_microbatches(active: Any, num_microbatches: int) -> Any:
+    """Checks ``active_microbatches`` against the window's ``N``. Returns
+    None where it is concrete (and checked), else the traced flag that it is
+    in range, which :func:`_package` turns into NaN outputs when false."""
+    check_scalar(
+        "active_microbatches",
+        active,
+        integer=True,
+        low=1,
+        high=num_microbatches,
+        hint="It counts the micro-batches of the window to compute: from 1 to "
+        f"the window's N = {num_microbatches}.",
+    )
     if not isinstance(active, jax.core.Tracer):
-        maximum = options.num_microbatches
-        if int(active) < 1 or (maximum is not None and int(active) > maximum):
-            raise ValueError(
-                f"active_microbatches={int(active)} must be from 1 to "
-                f"num_microbatches={maximum}, the window's maximum."
-            )
-    return jnp.asarray(active, jnp.int32)
+        return None
+    return (active >= 1) & (active <= num_microbatches)
 
 
 def check_arg_count(args: tuple, options: AccumOptions) -> None:
@@ -496,7 +553,7 @@ def _scan(
 ) -> WindowOut:
     """The micro-batches in one scan over a strided view of the batch."""
     num = split.num_microbatches
-    batch_view = _split.strided_view(inputs.batch, num)
+    batch = _split.strided_batch(inputs.batch, num)
     mask_view = None
     if inputs.example_mask is not None:
         mask_view = _split.strided_view(inputs.example_mask, num)
@@ -506,7 +563,7 @@ def _scan(
         return None if mask_view is None else _split.take_microbatch(mask_view, index)
 
     def micro_at(index, micro_keys, state, mask):
-        micro_batch = _split.take_microbatch(batch_view, index)
+        micro_batch = batch.microbatch(index)
         diff = _gathered(inputs.diff, options, index)
         return micro(diff, micro_batch, micro_keys, state, mask)
 
@@ -564,9 +621,37 @@ def _gathered(diff: tuple, options: AccumOptions, index: Any = None) -> tuple:
     return diff if shards is None else shards.gather(diff, in_window=False)
 
 
-def _package(out: WindowOut, options: AccumOptions) -> Any:
-    """The window's result in the layout ``value_and_grad`` documents."""
+def _invalid_unless(valid: jax.Array | None, tree: Any) -> Any:
+    """``tree`` where ``valid`` (traced) holds, else no plausible number: NaN
+    in float leaves, False in bool ones (the finite flags), the dtype's most
+    negative value in integer ones (its largest if unsigned)."""
+    if valid is None:
+        return tree
+
+    def invalid(leaf: Any) -> Any:
+        leaf = jnp.asarray(leaf)
+        dtype = leaf.dtype
+        if jnp.issubdtype(dtype, jnp.inexact):
+            bad = jnp.nan
+        elif jnp.issubdtype(dtype, jnp.bool_):
+            bad = False
+        elif jnp.issubdtype(dtype, jnp.signedinteger):
+            bad = jnp.iinfo(dtype).min
+        elif jnp.issubdtype(dtype, jnp.unsignedinteger):
+            bad = jnp.iinfo(dtype).max
+        else:  # PRNG keys: nothing to poison
+            return leaf
+        return jnp.where(valid, leaf, jnp.asarray(bad, dtype))
+
+    return jax.tree.map(invalid, tree)
+
+
+def _package(out: WindowOut, options: AccumOptions, valid: Any = None) -> Any:
+    """The window's result in the layout ``value_and_grad`` documents;
+    ``valid`` (traced, for ``masked``) false makes the value, aux, gradients
+    and report invalid (see :func:`_invalid_unless`), the new state aside."""
     value, aux, grads, grad_sq_norm = out.result
+    value, aux, grads = _invalid_unless(valid, (value, aux, grads))
     grads = grads[0] if isinstance(options.argnums, int) else grads
     result = ((value, aux), grads) if options.has_aux else (value, grads)
     if options.state_nums:
@@ -581,8 +666,8 @@ def _package(out: WindowOut, options: AccumOptions) -> Any:
             options.reduction,
             options.data_axes,
         )
-        return result, stats
+        return result, _invalid_unless(valid, stats)
     if options.report_finite:
         finite = out.micro.finite
-        return result, FiniteReport(finite, jnp.all(finite))
+        return result, _invalid_unless(valid, FiniteReport(finite, jnp.all(finite)))
     return result

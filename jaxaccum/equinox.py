@@ -43,7 +43,12 @@ from jaxaccum._options import (
     Reduction,
     check_accepts_example_mask,
 )
-from jaxaccum._value_and_grad import grads_only, make_accumulated, signature_of
+from jaxaccum._value_and_grad import (
+    add_active_microbatches_parameter,
+    grads_only,
+    make_accumulated,
+    signature_of,
+)
 
 if TYPE_CHECKING:
     from jaxaccum._diagnose import Diagnosis
@@ -83,6 +88,7 @@ def filter_value_and_grad(
     remat: bool | Callable[..., Any] = False,
     report_finite: bool = False,
     report_stats: bool = False,
+    masked: bool = False,
 ) -> Callable[..., Any]:
     """``eqx.filter_value_and_grad`` over micro-batches.
 
@@ -114,6 +120,11 @@ def filter_value_and_grad(
       report_finite: also return a :class:`jaxaccum.FiniteReport`.
       report_stats: also return a :class:`jaxaccum.WindowStats` (the gradient
         noise scale).
+      masked: ``N`` is a maximum: the function takes the keyword argument
+        ``active_microbatches`` and computes that many micro-batches (see
+        :func:`jaxaccum.value_and_grad`). ``eqx.filter_jit`` traces it when it
+        is an array (``jnp.asarray(k)``: one program for every ``k``) and
+        recompiles per value when it is a Python int.
 
     Returns:
       ``accumulated(model, *args, **kwargs)`` returning ``(value, grads)``
@@ -144,6 +155,8 @@ def filter_value_and_grad(
         on_arrays, arrays = _on_arrays(fun, model)
         return make_accumulated(on_arrays, options)(arrays, *args, **kwargs)
 
+    if masked:
+        add_active_microbatches_parameter(accumulated, fun)
     return accumulated
 
 

@@ -38,3 +38,11 @@ def dropout_loss(params: dict, batch: dict, key: jax.Array) -> jax.Array:
     keep = jax.random.bernoulli(key, 0.9, batch["x"].shape)
     x = jnp.where(keep, batch["x"] / 0.9, 0.0)
     return jnp.mean((_predictions(params, x) - batch["y"]) ** 2)
+
+
+def raises_bare_error(params: dict, batch: dict) -> jax.Array:
+    """Raises ``ValueError()``, with no message."""
+    raise ValueError()
+
+
+NOT_A_FUNCTION = 3  # LOSS must name a function

@@ -87,6 +87,8 @@ class Combo:
     key_leaf: bool  # the batch holds a per-example PRNG key (unused by the loss)
     num_microbatches: int
     mesh: str = "single"
+    masked: bool = False  # num_microbatches is the window's maximum
+    microbatch_size: int | None = None  # passed instead of num_microbatches
 
     @property
     def devices(self) -> int:
@@ -309,7 +311,12 @@ def _accumulated(combo: Combo) -> Callable[..., Any]:
         "pad": combo.pad,
         "report_stats": combo.report_stats,
     }
+    if combo.masked:
+        options["masked"] = True
     fun, num = front_end_loss(combo), combo.num_microbatches
+    if combo.microbatch_size is not None:
+        num = None  # N from the batch's rows
+        options["microbatch_size"] = combo.microbatch_size
     if combo.path in SHARD_PATHS:
         mesh = mesh_of(combo.mesh)
         return jaxaccum.shard_value_and_grad(fun, num, mesh=mesh, **options)
@@ -334,20 +341,26 @@ def _model(path: str, params: dict) -> Any:
     return params
 
 
-@functools.cache
-def build(combo: Combo) -> Callable[..., Any]:
-    """``step(params, batch, offset)``, jitted, for one cell."""
+def make_step(combo: Combo) -> Callable[..., Any]:
+    """``step(params, batch, offset, **call_kwargs)`` for one cell; the
+    keywords (``active_microbatches``) go to the accumulated function."""
     accumulated = _accumulated(combo)
 
-    def step(params, batch, offset):
+    def step(params, batch, offset, **call_kwargs):
         model = _model(combo.path, params)
         if combo.frozen == "positional":
-            return accumulated(model, batch, offset)
+            return accumulated(model, batch, offset, **call_kwargs)
         if combo.frozen == "keyword":
-            return accumulated(model, batch, offset=offset)
-        return accumulated(model, batch)
+            return accumulated(model, batch, offset=offset, **call_kwargs)
+        return accumulated(model, batch, **call_kwargs)
 
-    return jax.jit(step)
+    return step
+
+
+@functools.cache
+def build(combo: Combo) -> Callable[..., Any]:
+    """:func:`make_step`, jitted (compiled once per cell and batch shape)."""
+    return jax.jit(make_step(combo))
 
 
 def _param_specs(combo: Combo) -> dict:
@@ -831,3 +844,162 @@ def check_case(case: Case) -> str:
     if combo.report_stats:
         check_stats(case, outcome.stats, data, per)
     return f"match: {combo.path}"
+
+
+# Masked windows: k active micro-batches of N, against the first k.
+
+MASKED_PATHS = ("value_and_grad", "equinox", "flax_linen", "flax_nnx")
+MICROBATCH_ROWS = (1, 2, 3)
+# How active_microbatches is passed: an int32 array or a Python int under
+# jit (both traced), or a Python int without jit (concrete: checked).
+CALLS = ("array", "python", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedCase:
+    """``combo`` (masked, its ``num_microbatches`` the window's ``N``) called
+    on a window of ``N`` micro-batches of ``microbatch_rows`` rows, of which
+    the first ``active`` hold data (laid out by ``pad_microbatches``)."""
+
+    combo: Combo
+    microbatch_rows: int
+    active: int
+    call: str
+    seed: int
+
+    @property
+    def in_range(self) -> bool:
+        return 1 <= self.active <= self.combo.num_microbatches
+
+    @property
+    def reference(self) -> Case:
+        """The unmasked case it must equal: its ``active`` micro-batches (all
+        ``N`` out of range, for the window's data)."""
+        num = self.active if self.in_range else self.combo.num_microbatches
+        combo = dataclasses.replace(
+            self.combo, num_microbatches=num, masked=False, microbatch_size=None
+        )
+        return Case(combo, num * self.microbatch_rows, self.seed)
+
+
+def masked_cases(paths: tuple = MASKED_PATHS) -> st.SearchStrategy[MaskedCase]:
+    """Masked cells of the front ends ``paths``, mostly in range; a quarter of
+    the counts out of range (0, -1, N + 1, N + 2) and a quarter of the cells
+    built without masked (active_microbatches must be refused), which compute
+    nothing or little."""
+    quarter = st.sampled_from((True, False, False, False))
+
+    @st.composite
+    def draw_case(draw: Any) -> MaskedCase:
+        num = draw(st.sampled_from(NUM_MICROBATCHES))
+        rows = draw(st.sampled_from(MICROBATCH_ROWS))
+        if draw(quarter):
+            active = draw(st.sampled_from((0, -1, num + 1, num + 2)))
+            call = draw(st.sampled_from(CALLS))
+        else:
+            active, call = draw(st.integers(1, num)), draw(st.sampled_from(CALLS[:2]))
+        combo = Combo(
+            path=draw(st.sampled_from(paths)),
+            reduction=draw(st.sampled_from(REDUCTIONS)),
+            report_stats=draw(st.booleans()),
+            pad=False,
+            aux_reduction=draw(st.sampled_from((None, *AUX_REDUCTIONS))),
+            dtype=draw(st.sampled_from(tuple(DTYPES))),
+            frozen=draw(st.sampled_from(FROZEN)),
+            key_leaf=draw(st.booleans()),
+            num_microbatches=num,
+            masked=not draw(quarter),
+            microbatch_size=rows if draw(st.booleans()) else None,
+        )
+        return MaskedCase(combo, rows, active, call, draw(st.integers(0, 2**32 - 1)))
+
+    return draw_case()
+
+
+def _first(values: Any, active: int, fill_name: str) -> Any:
+    """The first ``active`` of a stacked ``(N, ...)`` array; the others must
+    be what a skipped micro-batch leaves (zeros; True finite flags)."""
+    values = np.asarray(values)
+    fill = True if values.dtype == bool else 0
+    np.testing.assert_array_equal(values[active:], fill, err_msg=fill_name)
+    return values[:active]
+
+
+def _first_rows(values: Any, case: MaskedCase) -> np.ndarray:
+    """A concatenated aux leaf (window order: row ``j N + m`` is row ``j`` of
+    micro-batch ``m``) restricted to the active micro-batches, in the order
+    of their batch (row ``j k + m``)."""
+    num, rows = case.combo.num_microbatches, case.microbatch_rows
+    by_row = np.asarray(values).reshape(rows, num, *np.shape(values)[1:])
+    by_micro = np.swapaxes(by_row, 0, 1)
+    return np.swapaxes(_first(by_micro, case.active, "concat aux"), 0, 1).reshape(
+        rows * case.active, *np.shape(values)[1:]
+    )
+
+
+def first_active(case: MaskedCase, outcome: Outcome) -> Outcome:
+    """The outcome as the first ``active`` micro-batches alone give it."""
+    active, aux, stats = case.active, outcome.aux, outcome.stats
+    if case.combo.aux_reduction == "stack":
+        aux = {
+            key: _first(value, active, f"aux[{key!r}]") for key, value in aux.items()
+        }
+    elif case.combo.aux_reduction == "concat":
+        aux = {**aux, "losses": _first_rows(aux["losses"], case)}
+    if stats is not None:
+        stats = stats._replace(
+            **{
+                name: _first(getattr(stats, name), active, name)
+                for name in (
+                    "microbatch_grad_sq_norm",
+                    "small_batch",
+                    "microbatch_finite",
+                )
+            }
+        )
+    return outcome._replace(aux=aux, stats=stats)
+
+
+def assert_no_plausible_number(outcome: Outcome) -> None:
+    """Out of range under jit: NaN floats, False flags, the most negative int."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(outcome._asdict()):
+        leaf = np.asarray(leaf)
+        if leaf.dtype == bool:
+            invalid = ~leaf
+        elif np.issubdtype(leaf.dtype, np.integer):
+            invalid = leaf == np.iinfo(leaf.dtype).min
+        else:
+            invalid = np.isnan(leaf)
+        assert np.all(invalid), f"{jax.tree_util.keystr(path)}: {leaf}, want invalid"
+
+
+def check_masked_case(case: MaskedCase) -> str:
+    """Runs one masked cell; returns what happened (an event), raising if wrong."""
+    combo, reference = case.combo, case.reference
+    data = make_data(reference)
+    params, batch, offset = inputs(reference, data)
+    if case.in_range:
+        batch = jaxaccum.pad_microbatches(batch, case.active, combo.num_microbatches)
+    active = jnp.int32(case.active) if case.call == "array" else case.active
+    step = make_step(combo) if case.call == "eager" else build(combo)
+    if not combo.masked:
+        with pytest.raises(TypeError, match="built without masked=True"):
+            step(params, batch, offset, active_microbatches=active)
+        return "documented error: active_microbatches without masked"
+    if case.call == "eager" and not case.in_range:
+        wanted = f"active_microbatches must be from 1 to {combo.num_microbatches}"
+        with pytest.raises(ValueError, match=wanted):
+            step(params, batch, offset, active_microbatches=active)
+        return "documented error: active_microbatches out of range"
+    outcome = unpack(combo, step(params, batch, offset, active_microbatches=active))
+    if not case.in_range:
+        assert_no_plausible_number(outcome)
+        return "out of range under jit: no plausible number"
+    outcome = first_active(case, outcome)
+    per = per_example(data, combo.dtype == "complex64")
+    check_result(reference, outcome, data, per)
+    if combo.aux_reduction is not None:
+        check_aux(reference, outcome.aux, per)
+    if combo.report_stats:
+        check_stats(reference, outcome.stats, data, per)
+    return f"match: masked {combo.path}"

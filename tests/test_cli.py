@@ -296,6 +296,19 @@ def test_plan_command_plans_each_form_of_loss(capsys, loss, flags, keywords):
             ["cli_losses:weighted_loss", *PARAMS, *XY_BATCH, "--reduction", "weighted"],
             "KeyError: 'mask' (--debug for the traceback)",
         ),
+        (  # a bare raise: what and where
+            ["cli_losses:raises_bare_error", *PARAMS, *XY_BATCH],
+            "ValueError with no message, raised in raises_bare_error (cli_losses.py",
+        ),
+        (
+            ["cli_losses:NOT_A_FUNCTION", *PARAMS, *XY_BATCH],
+            "LOSS 'cli_losses:NOT_A_FUNCTION' names a int, not a function",
+        ),
+        (
+            ["cli_losses:loss_with_aux", *PARAMS, *XY_BATCH, "--has-aux"]
+            + ["--candidates", "3"],
+            "Candidate num_microbatches=3 does not divide the batch size 256",
+        ),
     ],
     ids=[
         "aux-without-has-aux",
@@ -306,6 +319,9 @@ def test_plan_command_plans_each_form_of_loss(capsys, loss, flags, keywords):
         "batch-count",
         "no-fit",
         "loss-raises",
+        "loss-raises-bare",
+        "loss-not-callable",
+        "candidate-not-divisor",
     ],
 )
 def test_plan_command_errors_are_one_line(capsys, argv, message):

@@ -11,20 +11,21 @@ sqrt), so a factor of k operations is within k u (relative) of its float64
 value; the tests allow twice that.
 """
 
-import functools
+import time
 from typing import NamedTuple
 
 import chex
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from hypothesis import strategies as st
 from noise_population import mean_loss, population, sample, truth
 
 import jaxaccum
-from jaxaccum import _growth
 from jaxaccum._growth import (
     batch_ramp,
     batch_scale,
@@ -111,6 +112,7 @@ def test_examples_seen_stays_exact_past_float32_integers():
         ({"microbatch_size": 8, "schedule": {10: 1}}, "start at 0 examples.*10"),
         ({"microbatch_size": 8, "schedule": {0: 1, 5: 0}}, r"schedule\[5\].*got 0"),
         ({"microbatch_size": 8, "schedule": {0: 1, -5: 2}}, "start at 0.*-5"),
+        ({"microbatch_size": 8, "schedule": {0: 2**31}}, r"schedule\[0\].*2\*\*31"),
     ],
 )
 def test_batch_ramp_rejects_bad_arguments(kwargs, message):
@@ -131,9 +133,13 @@ def test_batch_ramp_rejects_non_integer_sizes():
         ({"min_microbatches": 1}, "min_microbatches must be >= 2, got 1"),
         ({"max_microbatches": 2, "min_microbatches": 4}, r"max_microbatches \(2\)"),
         ({"microbatch_size": -1}, "microbatch_size must be >= 1, got -1"),
-        ({"kappa": 0.0}, "kappa must be a positive number, got 0.0"),
-        ({"decay": 1.0}, r"decay must be in \[0, 1\), got 1.0"),
-        ({"warmup_windows": 0}, "warmup_windows must be >= 1, got 0"),
+        ({"kappa": 0.0}, "kappa must be > 0.0, got 0.0"),
+        ({"step_cost": -1.0}, "step_cost must be >= 0.0, got -1.0"),
+        ({"step_cost": float("nan")}, "step_cost must be >= 0.0, got nan"),
+        ({"half_life": 0.0}, "half_life must be > 0.0, got 0.0"),
+        ({"standard_errors": -0.1}, "standard_errors must be >= 0.0"),
+        ({"sizes": (4, 8)}, r"sizes must start at min_microbatches \(2\)"),
+        ({"sizes": (2, 128)}, "end at most at max_microbatches"),
     ],
 )
 def test_noise_scale_batch_rejects_bad_arguments(kwargs, message):
@@ -151,85 +157,114 @@ def run_controller(controller, state, windows):
     return sizes, state
 
 
-def noisy(num):
-    """A window whose |G|^2 average is 0: an infinite noise scale."""
-    return Totals(8.0 * num, 0.0, 1.0)
+def steady(b_noise):
+    """Windows whose estimates never vary: |G|^2 = 1, tr(Sigma) = b_noise."""
+    return lambda num: Totals(8.0 * num, 1.0, b_noise)
 
 
-def test_noise_scale_batch_grows_on_schedule_and_clamps_at_max():
-    controller = noise_scale_batch(
-        8, 12, warmup_windows=3, min_windows_between_changes=4
-    )
-    assert controller.possible_num_microbatches == (2, 4, 8, 12)
+@pytest.mark.parametrize(
+    ("kwargs", "start", "settled"),
+    [
+        # The start: the target if B_noise were the largest batch, 512:
+        # sqrt(64 * 512) = 181 examples, 23 micro-batches. The target:
+        # sqrt(c B_noise) = sqrt(64 * 1600) = 320 examples, 40 micro-batches.
+        ({"step_cost": 64.0}, 23, 40),
+        ({"step_cost": jaxaccum.EXAMPLES_ONLY}, 2, 2),  # examples only: smallest
+        ({"step_cost": jaxaccum.STEPS_ONLY}, 64, 64),  # steps only: largest
+        ({"kappa": 0.25}, 2, 50),  # kappa B_noise = 400 examples; starts smallest
+        # Powers of two: 128 and 256 tie for the start; 320 is nearer 256's time.
+        ({"step_cost": 64.0, "sizes": (2, 4, 8, 16, 32, 64)}, 16, 32),
+    ],
+)
+def test_noise_scale_batch_moves_to_the_size_of_least_predicted_time(
+    kwargs, start, settled
+):
+    controller = noise_scale_batch(8, 64, **kwargs)
     nan = lambda num: Totals(8.0 * num)  # noqa: E731  one micro-batch: NaN
-    windows = [nan] * 5 + [noisy] * 20
-    sizes, state = run_controller(controller, controller.init(), windows)
-    # Warm-up counts the 3 windows with finite estimates (windows 5-7), so the
-    # first doubling follows window 7; then one every 4 windows, up to 12.
-    assert sizes == [2] * 8 + [4] * 4 + [8] * 4 + [12] * 9, sizes
-    assert int(state.noise.num_windows) == 20
-
-
-def test_noise_scale_batch_doubles_exactly_at_its_threshold():
-    # decay=0: the averages are the last window's, so the threshold is exact.
-    controller = noise_scale_batch(
-        8, 64, decay=0.0, warmup_windows=1, min_windows_between_changes=1
+    sizes, state = run_controller(
+        controller, controller.init(), [nan] * 3 + [steady(1600.0)] * 8
     )
-
-    def noise_scale(b_noise):  # |G|^2 = 1, so B_noise = tr(Sigma)
-        return lambda num: Totals(8.0 * num, 1.0, b_noise)
-
-    # 2 micro-batches of 8 double to 4 once kappa B_noise >= 2 * 16, and 4
-    # double to 8 once it reaches 64; a hair below stays.
-    windows = [noise_scale(b) for b in (31.9, 31.9, 32.0, 63.9, 63.9, 64.0, 1.0)]
-    sizes, _ = run_controller(controller, controller.init(), windows)
-    assert sizes == [2, 2, 2, 4, 4, 4, 8], sizes
+    # No spread: the band is the estimate once 4 effective windows are in. The
+    # NaN ones do not count, and decayed weights make 4 windows 3.99 effective
+    # ones: the move follows the 5th finite window, the 8th; one move.
+    assert sizes == [start] * 8 + [settled] * 3, sizes
+    assert float(state.examples_seen) == 8.0 * sum(sizes)
+    assert int(state.noise.num_windows) == 8
 
 
-@functools.cache
-def population_window(num, microbatch_size, scale):
-    """A jitted window of ``num`` micro-batches drawn from the population at
-    ``scale`` times the least-squares parameters."""
+def test_noise_scale_batch_moves_as_far_as_its_evidence_band_allows():
+    # Noisy |G|^2 around 1, tr(Sigma) 1600: the target is 40 micro-batches
+    # (from 23). A grow-only window moved to the band's near end: with no band
+    # it follows the noise up to the largest; with one or two standard errors
+    # it moves less far at first and settles near the target.
+    rng = np.random.default_rng(3)
+    windows = [
+        lambda num, n=n: Totals(8.0 * num, n, 1600.0) for n in rng.normal(1, 1, 80)
+    ]
+    runs = {}
+    for standard_errors in (0.0, 1.0, 2.0):
+        controller = noise_scale_batch(
+            8, 64, step_cost=64.0, standard_errors=standard_errors
+        )
+        runs[standard_errors] = run_controller(controller, controller.init(), windows)[
+            0
+        ]
+    first_moves = [sizes[5] for sizes in runs.values()]  # 4 windows in, then 1
+    assert first_moves == sorted(first_moves, reverse=True), first_moves
+    assert runs[0.0][-1] == 64, runs[0.0]
+    assert all(32 <= runs[z][-1] <= 48 for z in (1.0, 2.0)), runs
+
+
+def test_noise_scale_batch_shrinks_only_when_asked_and_by_half():
+    windows = [steady(1600.0)] * 12 + [steady(25.0)] * 60  # targets 40, then 5
+    for shrink in (False, True):
+        controller = noise_scale_batch(8, 64, step_cost=64.0, shrink=shrink)
+        sizes, _ = run_controller(controller, controller.init(), windows)
+        # Shrinking waits for the averages to follow: by the end at most half
+        # of 40, on the way to 5.
+        last_ok = sizes[-1] <= 20 if shrink else sizes[-1] == 40
+        assert max(sizes) == 40 and last_ok, sizes
+
+
+def changing_population_run(num, key, half_life):
+    """Windows of ``num`` micro-batches of 8 from the population at parameters
+    that approach the optimum as examples are seen, so B_noise grows ~30x
+    over 16,384 examples: examples seen and the controller's B_noise after
+    each window. One compiled scan."""
     x, y = population()
-    params = scale * jnp.linalg.lstsq(x, y)[0]
+    optimum = jnp.linalg.lstsq(x, y)[0]
+    controller = noise_scale_batch(8, num, min_microbatches=num, half_life=half_life)
     step = jaxaccum.value_and_grad(
         mean_loss, num, batch_argnums=(1, 2), report_stats=True
     )
 
-    @jax.jit
-    def window(key):
-        return step(params, *sample(key, x, y, num * microbatch_size, "mean"))[1]
+    def window(state, key):
+        params = (1.0 - 0.4 * jnp.exp2(-state.examples_seen / 4000.0)) * optimum
+        stats = step(params, *sample(key, x, y, num * 8, "mean"))[1]
+        state = controller.update(state, stats)
+        return state, (state.examples_seen, controller.noise_scale(state))
 
-    return window, params
-
-
-def test_noise_scale_batch_settles_near_the_known_noise_scale():
-    microbatch_size, scale, windows = 8, 0.97, 600
-    params = population_window(2, microbatch_size, scale)[1]
-    norm_sq, trace = truth(params, *population())
-    b_noise = trace / norm_sq  # 170.5 examples
-    controller = noise_scale_batch(microbatch_size, 64)
-    state, sizes = controller.init(), []
-    compiled = _growth._noise_scale_update._cache_size()
-    for key in jax.random.split(jax.random.key(7), windows):
-        sizes.append(controller.num_microbatches(state))
-        window = population_window(sizes[-1], microbatch_size, scale)[0]
-        state = controller.update(state, window(key))
-    changes = [i for i in range(1, windows) if sizes[i] != sizes[i - 1]]
-    summary = f"sizes change at windows {changes} to {[sizes[i] for i in changes]}"
-    assert _growth._noise_scale_update._cache_size() == compiled + 1, (
-        f"update compiled {_growth._noise_scale_update._cache_size() - compiled} "
-        f"times for windows of {sorted(set(sizes))} micro-batches"
+    keys = jax.random.split(key, 16_384 // (8 * num))
+    _, (seen, noise_scale) = jax.jit(jax.lax.scan, static_argnums=0)(
+        window, controller.init(), keys
     )
-    assert sizes[0] == 2 and sizes == sorted(sizes), f"shrank: {summary}"
-    gaps = np.diff([0, *changes])
-    assert gaps.min() >= 50, f"changes closer than 50 windows: {summary}"
-    settled = sizes[-1] * microbatch_size
-    assert b_noise / 2 <= settled <= 2 * b_noise, (
-        f"settled at {settled} examples, B_noise {b_noise:.1f}; {summary}"
-    )
-    estimated = float(controller.noise_scale(state))
-    assert b_noise / 2 <= estimated <= 2 * b_noise, (estimated, b_noise)
+    return dict(zip(np.asarray(seen).tolist(), np.asarray(noise_scale), strict=True))
+
+
+def test_window_size_does_not_change_the_noise_scale_read():
+    # Windows of 16 and of 128 examples: at the same examples seen, their
+    # averages span the same examples and read B_noise within 15%.
+    small = changing_population_run(2, jax.random.key(0), half_life=4000.0)
+    large = changing_population_run(16, jax.random.key(1), half_life=4000.0)
+    x, y = population()
+    truth_start = np.divide(*truth(0.6 * jnp.linalg.lstsq(x, y)[0], x, y)[::-1])
+    for seen in (4096.0, 8192.0, 12288.0, 16384.0):
+        ratio = small[seen] / large[seen]
+        assert abs(ratio - 1) <= 0.15, (
+            f"at {seen:.0f} examples: B_noise {small[seen]:.1f} with windows "
+            f"of 16, {large[seen]:.1f} with windows of 128"
+        )
+    assert large[16384.0] > 2 * truth_start, (large, truth_start)
 
 
 def checkpoint_round_trip(path, state):
@@ -254,25 +289,22 @@ def test_states_survive_an_orbax_round_trip_mid_run(tmp_path, kind):
     if kind == "ramp":
         controller = batch_ramp(8, {0: 2, 100: 4, 300: 8})
     else:
-        controller = noise_scale_batch(
-            8, 64, warmup_windows=3, min_windows_between_changes=3
-        )
+        # No band: the size moves once 4 effective windows are in.
+        controller = noise_scale_batch(8, 64, kappa=1.0, standard_errors=0.0)
     windows = random_windows(40)
     through, through_state = run_controller(controller, controller.init(), windows)
-    first, middle = run_controller(controller, controller.init(), windows[:17])
+    first, middle = run_controller(controller, controller.init(), windows[:5])
     restored = checkpoint_round_trip(tmp_path / kind, middle)
     chex.assert_trees_all_equal(restored, middle)
     chex.assert_trees_all_equal_dtypes(restored, middle)
-    second, after = run_controller(controller, restored, windows[17:])
+    second, after = run_controller(controller, restored, windows[5:])
     assert first + second == through and len(set(through)) > 1, through
     chex.assert_trees_all_equal(after, through_state)
 
 
 def test_update_jits_once_across_window_sizes():
     ramp = batch_ramp(4, {0: 1, 8: 2, 24: 4})
-    controller = noise_scale_batch(
-        4, 8, warmup_windows=1, min_windows_between_changes=1
-    )
+    controller = noise_scale_batch(4, 8, kappa=1.0, standard_errors=0.0)
     x, y = population()
     ramp_update = jax.jit(chex.assert_max_traces(ramp.update, n=1))
     noise_update = jax.jit(chex.assert_max_traces(controller.update, n=1))
@@ -288,6 +320,103 @@ def test_update_jits_once_across_window_sizes():
         ramp_state = ramp_update(ramp_state, totals)
         noise_state = noise_update(noise_state, totals)
     assert ramp_update._cache_size() == noise_update._cache_size() == 1
+
+
+# Windows no controller should count: a MultiSteps window read mid-window
+# (big_batch NaN), a negative or infinite total.
+BAD_TOTALS = [float("nan"), float("inf"), -float("inf"), -8.0]
+CONTROLLERS = {
+    "ramp": lambda: batch_ramp(8, {0: 2, 16: 4}),
+    "noise": lambda: noise_scale_batch(8, 64, kappa=1.0, standard_errors=0.0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONTROLLERS))
+@pytest.mark.parametrize("big_batch", BAD_TOTALS)
+def test_a_window_with_a_bad_total_leaves_the_state_exactly_as_it_was(kind, big_batch):
+    controller = CONTROLLERS[kind]()
+    _, state = run_controller(controller, controller.init(), random_windows(10))
+    window = Totals(big_batch, 1.0, 400.0)
+    # Traced (under jit, as in a training step): the state, bitwise.
+    after = jax.jit(controller.update)(state, jax.tree.map(jnp.float32, window))
+    chex.assert_trees_all_equal(after, state)
+    # Concrete: an error naming the argument and the guard to use.
+    with pytest.raises(ValueError, match=r"stats.big_batch must be a finite.*has_upd"):
+        controller.update(state, window)
+
+
+def test_non_finite_estimates_count_their_examples_only():
+    controller = CONTROLLERS["noise"]()
+    _, state = run_controller(controller, controller.init(), random_windows(10))
+    for norm_sq, trace in ((np.nan, 1.0), (1.0, np.inf), (3e38, 1.0)):
+        after = controller.update(state, Totals(16.0, norm_sq, trace))
+        chex.assert_trees_all_equal(after.noise, state.noise)
+        assert float(after.examples_seen) == float(state.examples_seen) + 16.0
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    totals=st.lists(
+        st.tuples(*[st.floats(allow_nan=True, allow_infinity=True, width=32)] * 3),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_arbitrary_windows_keep_the_state_finite_and_the_count_monotone(totals):
+    for kind, update in PROPERTY_UPDATES.items():
+        controller = CONTROLLERS[kind]()
+        state = controller.init()
+        for window in totals:
+            before = float(state.examples_seen)
+            state = update(state, Totals(*map(np.float32, window)))
+            seen = float(state.examples_seen)
+            assert np.isfinite(seen) and seen >= before, (kind, window, seen)
+            chex.assert_tree_all_finite(
+                jax.tree.map(lambda leaf: jnp.asarray(leaf, jnp.float32), state)
+            )
+            assert state.num_microbatches in controller.possible_num_microbatches
+
+
+# One compiled update per controller for every example the property draws.
+PROPERTY_UPDATES = {kind: jax.jit(make().update) for kind, make in CONTROLLERS.items()}
+
+
+def test_measure_step_cost_solves_for_the_step_and_the_example():
+    def window_step(num):  # 20 ms a step, 1 ms an example
+        time.sleep(0.020 + 0.001 * 4 * num)
+        return jnp.zeros(())
+
+    cost = jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
+    np.testing.assert_allclose(cost.example_seconds, 0.001, rtol=0.2)
+    np.testing.assert_allclose(cost.step_cost, 20.0, rtol=0.25)
+    with pytest.raises(ValueError, match="two increasing sizes"):
+        jaxaccum.measure_step_cost(window_step, 4, (8, 8))
+
+
+@pytest.mark.parametrize(("optimizer", "power"), [("sgd", 1.0), ("adam", 0.5)])
+def test_ramp_from_schedule_trades_each_decay_for_the_batch(optimizer, power):
+    decay = optax.piecewise_constant_schedule(0.8, {1000: 0.5, 2000: 0.5, 3000: 0.5})
+    built = jaxaccum.ramp_from_schedule(
+        decay, 8, 2, 8, 4000, optimizer=optimizer, points=8
+    )
+    # The rate halves three times; the window doubles twice, up to its 8.
+    assert built.ramp.schedule == ((0, 2), (1000, 4), (2000, 8)), built.ramp.schedule
+    for seen, batch_factor in ((500, 1), (1500, 2), (2500, 4), (3500, 4)):
+        expected = float(decay(seen)) * batch_factor**power
+        np.testing.assert_allclose(
+            built.learning_rate(jnp.float32(seen)), expected, rtol=4 * UNIT_ROUNDOFF
+        )
+    # SGD keeps the peak rate while the batch grows (Smith et al.); Seesaw
+    # multiplies it by 1/sqrt(2) per doubling.
+    assert float(built.learning_rate(jnp.float32(2500))) == pytest.approx(
+        0.8 if optimizer == "sgd" else 0.4, rel=1e-6
+    )
+
+
+def test_ramp_from_schedule_keeps_a_warmup():
+    warmup = optax.linear_schedule(0.0, 1.0, transition_steps=1000)
+    built = jaxaccum.ramp_from_schedule(warmup, 8, 2, 8, 2000, points=8)
+    assert built.ramp.schedule == ((0, 2),), built.ramp.schedule
 
 
 # Learning-rate rules. base_batch and the batches are powers of two, so the
@@ -396,7 +525,7 @@ def test_adascale_transform_averages_the_window_estimates():
 def test_transform_errors_say_what_to_pass():
     with pytest.raises(ValueError, match="rule must be one of"):
         scale_by_batch_learning_rate(0.1, 64, rule="cubic")
-    with pytest.raises(ValueError, match="base_batch must be a positive number"):
+    with pytest.raises(ValueError, match="base_batch must be > 0, got 0"):
         scale_by_batch_learning_rate(0.1, 0)
     optimizer = scale_by_batch_learning_rate(0.1, 64, rule="adascale")
     state = optimizer.init(jnp.zeros(2))
@@ -404,3 +533,71 @@ def test_transform_errors_say_what_to_pass():
         optimizer.update(jnp.ones(2), state)
     with pytest.raises(ValueError, match="noise_estimates=stats"):
         optimizer.update(jnp.ones(2), state, batch_size=64.0)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda: batch_scale("sqrt", 256, 0),
+            ValueError,
+            "base_batch must be > 0, got 0",
+        ),
+        (lambda: batch_scale("sqrt", 256, -64), ValueError, "base_batch must be > 0"),
+        (lambda: batch_scale("sqrt", -1.0, 64), ValueError, "batch_size must be >= 0"),
+        (lambda: batch_scale("linear", np.nan, 64), ValueError, "got nan"),
+        (
+            lambda: scale_by_batch_learning_rate(0.1, "64"),
+            TypeError,
+            "base_batch must be a real scalar.*'64' of type str",
+        ),
+        (
+            lambda: scale_by_batch_learning_rate("0.1", 64),
+            TypeError,
+            "learning_rate must be a real scalar",
+        ),
+    ],
+    ids=[
+        "base-0",
+        "base-negative",
+        "batch-negative",
+        "batch-nan",
+        "base-str",
+        "rate-str",
+    ],
+)
+def test_numeric_arguments_are_checked(call, error, message):
+    """Issue 30: inf / NaN factors and NumPy's messages before."""
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_batch_size_must_be_a_scalar():
+    """Issue 30, case 5: a list gave each update element its own learning
+    rate; the whole WindowStats failed in jnp.concatenate."""
+    optimizer = scale_by_batch_learning_rate(0.1, 64)
+    state = optimizer.init(jnp.zeros(2))
+    _, stats = jaxaccum.value_and_grad(
+        lambda w, x: jnp.mean(x @ w), 2, report_stats=True
+    )(jnp.ones(2), jnp.ones((4, 2)))
+    for bad, shown in (([64, 256], "a list"), (stats, "a WindowStats")):
+        with pytest.raises(
+            TypeError, match=f"batch_size must be a real scalar.*{shown}"
+        ):
+            optimizer.update(jnp.ones(2), state, batch_size=bad)
+    with pytest.raises(TypeError, match=r"shape \(2,\)"):
+        optimizer.update(jnp.ones(2), state, batch_size=jnp.array([64.0, 256.0]))
+    _, state = optimizer.update(jnp.ones(2), state, batch_size=stats.big_batch)
+    assert state.examples_seen.shape == () and float(state.examples_seen) == 4.0
+
+
+def test_traced_nan_batch_is_not_counted():
+    """Under jit a NaN batch cannot raise: the update is NaN (loud), but
+    examples_seen, which the schedule reads, stays as it was."""
+    optimizer = scale_by_batch_learning_rate(lambda seen: 0.1 / (1 + seen), 64)
+    update = jax.jit(optimizer.update)
+    state = optimizer.init(jnp.zeros(2))
+    updates, state = update(jnp.ones(2), state, batch_size=jnp.float32(np.nan))
+    assert np.all(np.isnan(updates)) and float(state.examples_seen) == 0.0
+    _, state = update(jnp.ones(2), state, batch_size=jnp.float32(64.0))
+    assert float(state.examples_seen) == 64.0

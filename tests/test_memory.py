@@ -192,12 +192,14 @@ def test_plan_rejects_bad_arguments():
     params, batch = _shapes()
     with pytest.raises(TypeError, match="num_microbatches"):
         jaxaccum.plan(mlp_loss, params, batch, memory_budget="1GiB", num_microbatches=2)
-    with pytest.raises(ValueError, match=r"not divisible by num_microbatches=5"):
+    with pytest.raises(ValueError, match=r"num_microbatches=5 does not divide"):
         jaxaccum.plan(mlp_loss, params, batch, memory_budget="1GiB", candidates=[5])
     with pytest.raises(ValueError, match="candidates is empty"):
         jaxaccum.plan(mlp_loss, params, batch, memory_budget="1GiB", candidates=[])
     with pytest.raises(TypeError, match="batch_argnums"):
         jaxaccum.plan(mlp_loss, params, memory_budget="1GiB")
+    with pytest.raises(TypeError, match="plan does not take masked=True"):
+        jaxaccum.plan(mlp_loss, params, batch, memory_budget="1GiB", masked=True)
     with pytest.raises(ValueError, match="Unknown unit"):
         jaxaccum.plan(mlp_loss, params, batch, memory_budget="1G")
 

@@ -5,9 +5,15 @@ regression test. It runs from an in-memory copy (outputs never reach the
 repository) with a temporary working directory, in a kernel started from this
 interpreter (so a fresh CI virtualenv tests its own install, whatever kernels
 are registered elsewhere), with matplotlib's non-interactive Agg backend.
+
+With ``JAXACCUM_EXECUTED_NOTEBOOKS=DIR`` set, each executed notebook (outputs
+included, the inserted interpreter check left out) is written to ``DIR``, and
+the docs build renders those copies instead of executing the notebooks again
+(``docs/_site_hooks.py``): CI executes each notebook once per instruction set.
 """
 
 import json
+import os
 import pathlib
 import re
 import sys
@@ -58,6 +64,22 @@ def test_notebooks_exist_and_are_stripped():
         )
 
 
+def _keep_executed_copy(name: str, notebook: nbformat.NotebookNode) -> None:
+    """Writes the executed notebook where the docs build reads it, if asked."""
+    directory = os.environ.get("JAXACCUM_EXECUTED_NOTEBOOKS")
+    if not directory:
+        return
+    notebook.cells.pop(0)  # the interpreter check this test inserted: renumber
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and cell.execution_count:
+            cell.execution_count -= 1
+            for output in cell.outputs:
+                if output.get("execution_count"):
+                    output.execution_count -= 1
+    pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, pathlib.Path(directory) / name)
+
+
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S + 60)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
@@ -89,6 +111,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         elapsed = time.monotonic() - start
         failure = f"{path.name} failed after {elapsed:.1f} s:\n{error}"
     else:
+        _keep_executed_copy(path.name, notebook)
         return
     # Outside the except blocks, so the report holds the cell's error once.
     pytest.fail(ANSI_ESCAPE.sub("", failure), pytrace=False)

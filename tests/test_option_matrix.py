@@ -17,10 +17,17 @@ In process there is one device, so shard_value_and_grad runs on a 1-device
 mesh here; option_matrix_sharded.py runs the sharded front ends on 8 devices
 in a subprocess. The tolerances are derived in option_matrix.py's docstring.
 
-Profiles: 30 examples in process and a few sharded, derandomized, for CI;
-``JAXACCUM_MATRIX_EXAMPLES=3000`` runs that many in process and a quarter
-as many per sharded group (or ``JAXACCUM_MATRIX_SHARDED_EXAMPLES``), with
-fresh randomness.
+The masked matrix (``masked_cases``): masked x {num_microbatches,
+microbatch_size} x reduction x aux x report_stats x dtype x front end
+(value_and_grad, Equinox, Linen, NNX) x k active of N (traced: an int32 array
+or a Python int under jit), against the first k micro-batches alone; plus
+counts out of 1..N (refused where concrete, no plausible number under jit)
+and active_microbatches passed to a function built without masked (refused).
+
+Profiles: 30 examples in process, 8 masked per front end and a few sharded,
+derandomized, for CI; ``JAXACCUM_MATRIX_EXAMPLES=3000`` runs that many of each
+in process (of each front end, masked) and a quarter as many per sharded group (or
+``JAXACCUM_MATRIX_SHARDED_EXAMPLES``), with fresh randomness.
 """
 
 import dataclasses
@@ -33,18 +40,22 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from option_matrix import (
     CORE_PATHS,
+    MASKED_PATHS,
     SHARD_PATHS,
     Case,
     Combo,
     build,
     cases,
     check_case,
+    check_masked_case,
     check_result,
     check_stats,
     inputs,
     make_data,
+    masked_cases,
     per_example,
     unpack,
 )
@@ -53,6 +64,7 @@ from option_matrix_sharded import GROUPS, NUM_DEVICES
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LONG_EXAMPLES = int(os.environ.get("JAXACCUM_MATRIX_EXAMPLES", "0"))
 FAST_EXAMPLES = 30
+FAST_MASKED_EXAMPLES = 8  # per front end
 # The long profile runs past pytest-timeout's limit (pyproject.toml): none then.
 pytestmark = [pytest.mark.timeout(0)] if LONG_EXAMPLES else []
 
@@ -67,6 +79,23 @@ pytestmark = [pytest.mark.timeout(0)] if LONG_EXAMPLES else []
 @given(cases(CORE_PATHS + SHARD_PATHS))
 def test_option_matrix_matches_full_batch(case):
     event(check_case(case))
+
+
+# One test per front end, so the fast profile draws from every one of them.
+@pytest.mark.parametrize("path", MASKED_PATHS)
+@settings(
+    max_examples=LONG_EXAMPLES or FAST_MASKED_EXAMPLES,
+    deadline=None,
+    derandomize=not LONG_EXAMPLES,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(data=st.data())
+def test_masked_matrix_matches_the_first_k_micro_batches(path, data):
+    """masked=True with k of N micro-batches active equals the first k alone;
+    a count out of 1..N is refused where concrete and gives no plausible
+    number under jit; active_microbatches without masked is refused."""
+    event(check_masked_case(data.draw(masked_cases((path,)))))
 
 
 def sharded_env() -> dict:

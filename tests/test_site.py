@@ -12,16 +12,20 @@ it with the notebooks executed. Then:
   name's tokens are all in the entry's section.
 """
 
+import functools
 import html
 import html.parser
+import http.server
 import importlib
 import json
 import os
 import pathlib
 import posixpath
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import urllib.parse
 
 import pytest
@@ -39,6 +43,9 @@ def site(tmp_path_factory) -> pathlib.Path:
         return pathlib.Path(os.environ["JAXACCUM_SITE"])
     site_dir = tmp_path_factory.mktemp("site")
     env = {**os.environ, "JAXACCUM_DOCS_EXECUTE": "false", "NO_MKDOCS_2_WARNING": "1"}
+    # The notebooks as committed: their executed copies (CI's docs phase) may
+    # still be being written by tests/test_notebooks.py in another process.
+    env.pop("JAXACCUM_EXECUTED_NOTEBOOKS", None)
     build = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", site_dir],
         cwd=ROOT,
@@ -112,6 +119,89 @@ def test_internal_links_and_anchors_resolve(site):
     assert broken == [], f"{len(broken)} broken links:\n" + "\n".join(broken)
 
 
+def test_page_titles_are_unique(site):
+    """Search and the browser's tabs show page titles: no two alike."""
+    titles: dict[str, list[str]] = {}
+    for path in sorted(site.rglob("*.html")):
+        found = re.search(r"<title>(.*?)</title>", path.read_text(encoding="utf-8"))
+        if found and path.name != "404.html":
+            titles.setdefault(found.group(1), []).append(str(path.relative_to(site)))
+    twice = {title: paths for title, paths in titles.items() if len(paths) > 1}
+    assert twice == {}, f"pages with the same title: {twice}"
+
+
+def test_no_address_of_a_project_site_that_does_not_exist(site):
+    """The project has no public address yet: no link, install line, sitemap
+    entry or search text may point at one (``github.com/jaxaccum/...``)."""
+    own = re.compile(
+        r"(?:https?:)?//[\w.-]*jaxaccum[\w.-]*(?:/[^\s\"'<>)]*)?|[\w.-]+/jaxaccum/jaxaccum"
+    )
+    found = {}
+    for path in sorted(site.rglob("*")):
+        if path.suffix in (".html", ".json", ".xml", ".txt", ".js", ".ipynb"):
+            hits = set(own.findall(path.read_text(encoding="utf-8", errors="replace")))
+            if hits:
+                found[str(path.relative_to(site))] = sorted(hits)[:3]
+    assert found == {}, f"addresses of a project site that does not exist: {found}"
+
+
+# A formula written as code: |G|^2, tr(Sigma), sqrt(S), sum_k, B_noise / B.
+ASCII_FORMULA = re.compile(
+    r"\^|\bsqrt\(|\btr\(|Sigma|\|\w[^|]*\w\||\bsum_k\b|\bB_(?:simple|noise|crit)\b"
+)
+
+
+def test_api_reference_writes_formulas_in_mathjax(site):
+    """A formula in a docstring is :math:`...` (MathJax on the site), never
+    code that spells it in ASCII beside the rendered ones."""
+    found = {}
+    for page in sorted((site / "api").rglob("index.html")):
+        spans = re.findall(r"<code>(.*?)</code>", page.read_text(), flags=re.S)
+        texts = (html.unescape(TAG.sub("", span)) for span in spans)
+        ascii = [t for t in texts if "\n" not in t and ASCII_FORMULA.search(t)]
+        if ascii:
+            found[str(page.relative_to(site))] = ascii
+    assert found == {}, f"formulas written as ASCII code in the API reference: {found}"
+
+
+def test_guides_link_public_names_to_the_api_on_first_use(site):
+    """In the home page, Getting started and the guides, the first code span
+    naming a documented public name is a link to its API entry."""
+    entries = _api_entries()
+    pages = [site / "index.html", site / "getting-started" / "index.html"]
+    pages += sorted((site / "guides").glob("*/index.html"))
+    unlinked = {}
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        article = text[text.find("<article") : text.find("</article>")]
+        missed = []
+        for name in set(entries) - {"jaxaccum"}:
+            first = re.search(rf"<code>{re.escape(name)}(?:\(|</code>)", article)
+            if first and not re.search(r"<a [^>]*>$", article[: first.start()]):
+                missed.append(name)
+        if missed:
+            unlinked[str(page.relative_to(site))] = missed
+    assert unlinked == {}, f"public names first named without a link: {unlinked}"
+
+
+def test_figures_enlarge_on_click(site):
+    """Every figure in a page opens full size in a lightbox (mkdocs-glightbox):
+    the multi-panel ones are shown at under half their width."""
+    bare = {}
+    for page in sorted(site.rglob("*.html")):
+        text = page.read_text(encoding="utf-8")
+        article = text[text.find("<article") : text.find("</article>")]
+        images = re.findall(r"(<a [^>]*>)?\s*<img ([^>]*)>", article)
+        missing = [
+            re.search(r'src="([^"]{0,80})', attributes).group(1)
+            for link, attributes in images
+            if 'class="glightbox"' not in link and 'src="' in attributes
+        ]
+        if missing:
+            bare[str(page.relative_to(site))] = missing
+    assert bare == {}, f"figures that do not enlarge on click: {bare}"
+
+
 def _search(site: pathlib.Path):
     index = json.loads((site / "search" / "search_index.json").read_text())
     separator = re.compile(index["config"]["separator"])
@@ -138,10 +228,17 @@ def _api_entries() -> dict[str, str]:
 
 
 def _public_names() -> list[str]:
-    names = []
+    """Every public name, less the second names of functions two modules
+    export: those are documented, and found, at the first."""
+    names, seen = [], set()
     for module_name in PUBLIC_MODULES:
         module = importlib.import_module(module_name)
-        names += [f"{module_name}.{name}" for name in module.__all__]
+        for name in module.__all__:
+            value = getattr(module, name)
+            if callable(value) and id(value) in seen:
+                continue
+            seen.add(id(value))
+            names.append(f"{module_name}.{name}")
     return names
 
 
@@ -179,12 +276,172 @@ def test_search_indexes_code_names_in_the_guides(site):
     assert "guides/in-step/" in pages, f"value_and_grad found on {sorted(pages)}"
 
 
+def _code_lines(notebook: pathlib.Path) -> set[str]:
+    """The lines of a notebook's code cells that its prose does not quote."""
+    cells = json.loads(notebook.read_text())["cells"]
+    prose = " ".join("".join(c["source"]) for c in cells if c["cell_type"] != "code")
+    lines = {
+        line.strip()
+        for cell in cells
+        if cell["cell_type"] == "code"
+        for line in "".join(cell["source"]).splitlines()
+    }
+    return {line for line in lines if len(line) >= 20 and line not in prose}
+
+
 def test_search_leaves_notebook_code_out(site):
+    """Every search entry of a notebook page, the page-level one included,
+    holds its prose only: no line of its code cells, prompts or copy notices."""
     docs, _ = _search(site)
-    dumps = [
-        doc["location"]
-        for doc in docs
-        if doc["location"].startswith("notebooks/")
-        and ("Copied!" in doc["text"] or "In [" in doc["text"])
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert notebooks, "no notebooks in notebooks/"
+    dumps = {}
+    for notebook in notebooks:
+        code = _code_lines(notebook)
+        for doc in docs:
+            if not doc["location"].startswith(f"notebooks/{notebook.stem}/"):
+                continue
+            text = html.unescape(TAG.sub(" ", doc["text"]))
+            found = [line for line in code if line in text]
+            if "Copied!" in text or "In [" in text:
+                found.append("a prompt or copy notice")
+            if found:
+                dumps[doc["location"]] = f"{len(found)} code lines, e.g. {found[:2]}"
+    assert dumps == {}, f"notebook code in the search index: {dumps}"
+
+
+# The browser checks: the built site in headless Chromium (Debian's
+# `chromium`), a handful of pages that hold every kind of code block (a page's
+# code, API signatures, a notebook's cells and outputs) and formula, each at a
+# desktop (1280 px) and a phone (390 px) width, with the network blocked: the
+# site must render from itself. tests/site_browser.js measures; about 20 s.
+BROWSER_PAGES = (
+    "index.html",
+    "getting-started/index.html",
+    "guides/in-step/index.html",
+    "guides/noise-scale/index.html",
+    "api/accumulate/index.html",
+    "api/noise-scale/index.html",
+    "notebooks/01_quickstart/index.html",
+)
+WIDTHS = (1280, 390)
+# A desktop's first screen: 1280 x 800.
+FIRST_SCREEN = 800
+
+
+def _chromium() -> str | None:
+    return os.environ.get("JAXACCUM_CHROMIUM") or shutil.which("chromium")
+
+
+class _Harness(http.server.SimpleHTTPRequestHandler):
+    """Serves the site, and at /__check__.html the page that loads the others."""
+
+    harness = ""
+
+    def do_GET(self):
+        if self.path != "/__check__.html":
+            return super().do_GET()
+        body = self.harness.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser(site) -> dict:
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip(
+            "no chromium on PATH (apt-get install -y chromium, or set "
+            "JAXACCUM_CHROMIUM): the browser checks of the site did not run"
+        )
+    frames = "".join(
+        f'<iframe data-key="{page}@{width}" src="/{page}" '
+        f'style="width:{width}px;height:{FIRST_SCREEN}px;border:0"></iframe>'
+        for page in BROWSER_PAGES
+        for width in WIDTHS
+    )
+    script = (ROOT / "tests" / "site_browser.js").read_text()
+    handler = type(
+        "Handler",
+        (_Harness,),
+        {"harness": f'{frames}<pre id="results"></pre><script>{script}</script>'},
+    )
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(site))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    command = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        # Nothing but this server: a formula that needs a CDN fails.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+        "--virtual-time-budget=60000",
+        "--dump-dom",
+        f"http://127.0.0.1:{server.server_port}/__check__.html",
     ]
-    assert dumps == [], f"notebook code in the search index: {dumps}"
+    try:
+        # On a loaded machine the page can be dumped before its script has
+        # measured every frame: once more, then it is a failure.
+        for _ in range(2):
+            dump = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            found = re.search(r'<pre id="results">(.*?)</pre>', dump.stdout, flags=re.S)
+            if found and found.group(1):
+                return json.loads(html.unescape(found.group(1)))
+    finally:
+        server.shutdown()
+    raise AssertionError(f"no results from chromium:\n{dump.stderr[-3000:]}")
+
+
+def _failures(browser: dict, field: str) -> dict:
+    return {key: result[field] for key, result in browser.items() if result.get(field)}
+
+
+def test_browser_measured_every_page(browser):
+    errors = _failures(browser, "error")
+    assert errors == {}, f"pages the browser check could not measure: {errors}"
+    empty = [key for key, result in browser.items() if not result.get("lines")]
+    assert empty == [], f"pages with no code measured: {empty}"
+
+
+def test_wrapped_code_keeps_its_indentation(browser):
+    wraps = _failures(browser, "wraps")
+    count = sum(map(len, wraps.values()))
+    assert wraps == {}, (
+        f"{count} code lines wrap to a continuation at or left of their own "
+        f"indentation:\n{json.dumps(wraps, indent=1)}"
+    )
+
+
+def test_code_needs_no_sideways_scrolling_on_a_desktop(browser):
+    overflows = {
+        key: result["overflows"] + (["(the page)"] if result["page_overflow"] else [])
+        for key, result in browser.items()
+        if key.endswith("@1280") and (result["overflows"] or result["page_overflow"])
+    }
+    assert overflows == {}, f"code that scrolls sideways at 1280 px: {overflows}"
+
+
+def test_every_formula_renders_offline(browser):
+    formulas = sum(result["formulas"] for result in browser.values())
+    assert formulas > 0, "no formulas on the checked pages"
+    unrendered = _failures(browser, "unrendered")
+    assert unrendered == {}, f"formulas not rendered, network blocked: {unrendered}"
+
+
+def test_install_is_on_the_home_pages_first_screen(browser):
+    bottom = browser["index.html@1280"]["install_bottom"]
+    assert bottom is not None, "no `pip install` block on the home page"
+    assert bottom <= FIRST_SCREEN, (
+        f"the home page's install block ends {bottom:.0f} px down, below the "
+        f"first screen ({FIRST_SCREEN} px at 1280 px wide)"
+    )

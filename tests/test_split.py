@@ -85,6 +85,19 @@ def test_count_not_an_int(bad):
         jaxaccum.value_and_grad(loss, bad)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_microbatches": 2**31}, ValueError, "at most 2\\*\\*31 - 1"),
+        ({"num_microbatches": 2, "unroll": "2"}, TypeError, "unroll must be"),
+        ({"num_microbatches": 2, "unroll": 0}, ValueError, "unroll must be >= 1"),
+    ],
+)
+def test_counts_are_checked_with_their_name(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        jaxaccum.value_and_grad(loss, **kwargs)
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"num_microbatches": 2, "microbatch_size": 6}])
 def test_exactly_one_of_count_and_size(kwargs):
     with pytest.raises(ValueError, match="exactly one of num_microbatches"):
@@ -189,7 +202,16 @@ jax.tree_util.register_pytree_node(
 )
 
 
-@pytest.mark.parametrize("axes", [(Axis("batch", 32), Axis("feature", 3)), (32, 3)])
+@pytest.mark.parametrize(
+    "axes",
+    [
+        (Axis("batch", 32), Axis("feature", 3)),
+        (32, 3),
+        (np.int64(32), 3),  # issue 30, case 3: every integer type
+        (Axis("batch", np.int32(32)),),
+        (jnp.int32(32),),
+    ],
+)
 def test_static_batch_size_in_a_node_is_refused(axes):
     """Splitting would cut the arrays but not the size in the node's static data."""
     batch = {"x": NamedRows(jnp.ones((32, 3)), axes)}
@@ -200,8 +222,80 @@ def test_static_batch_size_in_a_node_is_refused(axes):
     with pytest.raises(ValueError) as error:
         jaxaccum.value_and_grad(named_loss, 4)(PARAMS, batch)
     message = str(error.value)
-    for part in ("args[1]['x']", "NamedRows", "batch size 32", "raw arrays"):
+    for part in (
+        "args[1]['x']",
+        "NamedRows",
+        "batch size 32",
+        "jaxaccum.register_batch_node(NamedRows",
+        "raw arrays",
+    ):
         assert part in message, message
+
+
+class Classes:
+    """A node whose static data is an unrelated int (its number of classes)."""
+
+    def __init__(self, labels, num_classes):
+        self.labels, self.num_classes = labels, num_classes
+
+
+jax.tree_util.register_pytree_node(
+    Classes,
+    lambda node: ((node.labels,), node.num_classes),
+    lambda num_classes, children: Classes(children[0], num_classes),
+)
+
+
+def test_registered_node_without_a_batch_size_is_split():
+    """num_classes=10 on 10 rows looks like a batch size; registering the type
+    without resize says it is not (the refusal's way out)."""
+
+    def classes_loss(params, batch):
+        one_hot = jax.nn.one_hot(batch.labels, batch.num_classes)
+        return jnp.mean(one_hot[:, :3] @ params["w"])
+
+    batch = Classes(jnp.arange(10) % 4, 10)
+    with pytest.raises(ValueError, match=r"register_batch_node\(Classes\)"):
+        jaxaccum.value_and_grad(classes_loss, 2)(PARAMS, batch)
+    jaxaccum.register_batch_node(Classes)
+    chex.assert_trees_all_close(
+        jaxaccum.value_and_grad(classes_loss, 2)(PARAMS, batch),
+        jax.value_and_grad(classes_loss)(PARAMS, batch),
+    )
+
+
+class SizedRows:
+    """A node whose static data is its number of rows, as a NumPy int."""
+
+    def __init__(self, x, size):
+        self.x, self.size = x, size
+
+
+jax.tree_util.register_pytree_node(
+    SizedRows,
+    lambda node: ((node.x,), node.size),
+    lambda size, children: SizedRows(children[0], size),
+)
+
+
+def test_registered_resize_labels_every_micro_batch():
+    """With resize, each micro-batch says its own size: a loss that divides by
+    it (issue 30, case 3, halved at N=2 before) gives the full-batch mean."""
+
+    def sized_loss(params, batch):
+        assert batch.size == batch.x.shape[0], (batch.size, batch.x.shape)
+        return jnp.sum(batch.x @ params["w"]) / batch.size
+
+    jaxaccum.register_batch_node(SizedRows, lambda size, rows: np.int64(rows))
+    batch = SizedRows(jnp.arange(24.0).reshape(8, 3), np.int64(8))
+    for num in (2, 4):
+        chex.assert_trees_all_close(
+            jaxaccum.value_and_grad(sized_loss, num)(PARAMS, batch),
+            jax.value_and_grad(sized_loss)(PARAMS, batch),
+        )
+    assert jaxaccum.split_batch(batch, 4).size == 2
+    window = jaxaccum.pad_microbatches(batch, 2, 3)
+    assert (window.size, window.x.shape[0]) == (12, 12)
 
 
 def test_static_data_without_the_batch_size_is_split():

@@ -13,6 +13,7 @@ and the comparison table cannot disagree.
 
 import argparse
 import json
+import math
 import pathlib
 import time
 import timeit
@@ -234,28 +235,55 @@ def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
         batch = task.make_batch(jax.random.fold_in(data_key, index), args.batch_size)
         state = ema.update(state, step(params, batch)[1])
     noise_scale = float(ema.noise_scale(state))
-    if noise_scale < args.batch_size:
-        meaning = (
-            "below the effective batch: past about that many examples a bigger "
-            "batch buys few fewer steps, so fewer micro-batches (a smaller "
-            "batch) would reach this loss in about as many steps"
-        )
-    else:
-        meaning = (
-            "above the effective batch: a bigger batch (more micro-batches) "
-            "would still cut the number of steps almost in proportion"
-        )
-    console.print(
-        f"Effective batch {args.batch_size}; gradient noise scale B_simple of the "
-        f"trained model {noise_scale:,.0f} examples, {meaning} (McCandlish et "
-        "al. 2018; docs/guides/noise-scale.md)."
-    )
-    if noise_scale >= args.batch_size:
+    try:
+        cost = _step_cost(task, num, args)
+    except ValueError as error:  # timing noise: a busy machine, a tiny model
         console.print(
-            "Grow it while training with jaxaccum.noise_scale_batch "
-            "(docs/guides/growing-the-batch.md)."
+            f"Gradient noise scale B_simple of the trained model {noise_scale:,.0f} "
+            f"examples; the step's cost could not be measured ({error}), so no "
+            "time-optimal batch (docs/guides/growing-the-batch.md)."
         )
+        return noise_scale
+    best = math.sqrt(cost.step_cost * max(noise_scale, 0.0))
+    if best > 1.25 * args.batch_size:
+        verdict = "a bigger batch would reach this loss sooner"
+    elif best < 0.8 * args.batch_size:
+        verdict = "a smaller batch would reach this loss sooner"
+    else:
+        verdict = "the effective batch is about right"
+    console.print(
+        f"Gradient noise scale B_simple of the trained model {noise_scale:,.0f} "
+        f"examples; a step here costs as much as {cost.step_cost:,.0f} examples "
+        f"(measured). The time-optimal batch, sqrt(step cost x B_simple), is "
+        f"about {best:,.0f} examples against the effective {args.batch_size}: "
+        f"{verdict} (McCandlish et al. 2018; docs/guides/growing-the-batch.md: "
+        f"jaxaccum.noise_scale_batch(..., step_cost={cost.step_cost:.0f}) "
+        "follows it while training)."
+    )
     return noise_scale
+
+
+def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.StepCost:
+    """The demo step's cost in examples: windows of 1 and 8 times ``num``
+    micro-batches of the demo's size, timed (one program each)."""
+    microbatch_size = args.batch_size // num
+    optimizer = optax.adam(args.learning_rate)
+    steps = {size: _jitted_train_step(task, size, optimizer) for size in (num, 8 * num)}
+    batches = {
+        size: task.make_batch(jax.random.key(args.seed + 3), size * microbatch_size)
+        for size in steps
+    }
+    state = {"opt_state": optimizer.init(task.params), "params": _copy(task.params)}
+
+    def window_step(size: int) -> Any:
+        _, state["params"], state["opt_state"] = steps[size](
+            state["opt_state"], state["params"], batches[size]
+        )
+        return state["params"]
+
+    return jaxaccum.measure_step_cost(
+        window_step, microbatch_size, (num, 8 * num), repeats=args.repeats
+    )
 
 
 def _train(

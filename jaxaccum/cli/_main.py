@@ -6,6 +6,7 @@ with exit status 2; ``--debug`` prints the traceback too.
 """
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -119,15 +120,29 @@ def _report(command: str, error: Exception, debug: bool) -> None:
     """
     if debug:
         traceback.print_exception(error)
-    lines = str(error).strip().splitlines() or [""]
-    message = lines[0]
-    if type(error) not in (ValueError, TypeError):
-        message = f"{type(error).__name__}: {message}".removesuffix(": ")
+    lines = str(error).strip().splitlines()
+    if not lines:  # a bare raise: say what and where, not nothing
+        message = f"{type(error).__name__} with no message{_raised_at(error)}"
+    elif type(error) in (ValueError, TypeError):
+        message = lines[0]
+    else:
+        message = f"{type(error).__name__}: {lines[0]}"
     if not debug and len(lines) > 1:
         message += " (--debug for the full message)"
-    elif not debug and message != lines[0]:
+    elif not debug and message != "".join(lines[:1]):
         message += " (--debug for the traceback)"
     print(f"jaxaccum {command}: error: {message}", file=sys.stderr)
+
+
+def _raised_at(error: Exception) -> str:
+    """`` raised in NAME (FILE:LINE)``: the frame that raised ``error``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return (
+        f", raised in {frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})"
+    )
 
 
 def _run(args: argparse.Namespace) -> None:

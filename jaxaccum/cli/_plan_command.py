@@ -239,6 +239,11 @@ def _user_step(args: argparse.Namespace) -> _Step:
     if args.params is None or args.batch is None:
         raise ValueError("LOSS needs --params and --batch.")
     loss = resolve(args.loss)
+    if not callable(loss):
+        raise ValueError(
+            f"LOSS {args.loss!r} names a {type(loss).__name__}, not a function: "
+            "name the loss function, e.g. mypackage.train:loss_fn."
+        )
     options = loss_options(args)
     return _Step(f"Loss {args.loss}", loss, loss_arguments(args, options), options)
 
