@@ -374,8 +374,8 @@ class NoiseScaleBatch:
       max_microbatches: the largest window.
       min_microbatches: the smallest window.
       step_cost: a step's fixed cost in examples, ``t_step / t_example``.
-      kappa: if set, the target is ``kappa * B_noise`` instead (step_cost
-        unused).
+      kappa: if set, the target is $\\kappa B_\\text{noise}$ instead
+        (step_cost unused).
       half_life: of the moving averages, in the unit of ``big_batch``.
       standard_errors: how far (in standard errors of the estimate) the
         evidence must put the target from the current window to move it.
@@ -515,8 +515,9 @@ class NoiseScaleBatch:
 
     def predicted_time(self, batch: jax.Array, noise_scale: jax.Array) -> jax.Array:
         """McCandlish's time to a loss, in units of ``S_min t_example``, of a
-        window of ``batch`` examples at a noise scale: ``(1 + B_noise / B)
-        (step_cost + B)`` (``1 + B_noise / B`` for ``STEPS_ONLY``)."""
+        window of ``batch`` examples at a noise scale:
+        $(1 + B_\\text{noise} / B)(c + B)$ with $c$ the ``step_cost``
+        ($1 + B_\\text{noise} / B$ for ``STEPS_ONLY``)."""
         return _predicted_time(self, batch, 1.0 / noise_scale)
 
 
@@ -712,8 +713,9 @@ def noise_scale_batch(
         ``kappa``).
       step_cost: $t_\text{step} / t_\text{example}$, in the unit of
         ``big_batch``: ``>= 0``, or ``math.inf``.
-      kappa: if given, target ``kappa * B_noise`` (McCandlish's critical
-        batch for 1) instead, nearest in log; ``step_cost`` is then unused.
+      kappa: if given, target $\kappa B_\text{noise}$ (McCandlish's
+        critical batch for $\kappa = 1$) instead, nearest in log;
+        ``step_cost`` is then unused.
       half_life: of the averages, in examples (in the unit of ``big_batch``:
         pass it for tokens); positive.
       standard_errors: the band's half-width, in standard errors; ``>= 0``.
