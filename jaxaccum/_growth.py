@@ -74,10 +74,15 @@ def _add_compensated(
     total: jax.Array, error: jax.Array, value: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """``total + value`` by Kahan summation: ``error`` carries what float32
-    rounding dropped so far (the exact sum is ``total - error``)."""
+    rounding dropped so far (the exact sum is ``total - error``). The total
+    never steps back: a correction that would lower it (a window of 0 after
+    one rounded up) stays in ``error`` instead, so ``examples_seen`` is
+    monotone whatever the windows."""
     corrected = value - error
     new_total = total + corrected
-    return new_total, (new_total - total) - corrected
+    step_back = new_total < total
+    new_error = jnp.where(step_back, error - value, (new_total - total) - corrected)
+    return jnp.where(step_back, total, new_total), new_error
 
 
 def _float32(value: Any) -> jax.Array:

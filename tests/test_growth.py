@@ -354,7 +354,23 @@ def test_non_finite_estimates_count_their_examples_only():
         assert float(after.examples_seen) == float(state.examples_seen) + 16.0
 
 
-@hypothesis.settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("kind", sorted(CONTROLLERS))
+def test_examples_seen_never_steps_back(kind):
+    """A window of 0 after a total that float32 rounded up: Kahan's correction
+    would lower examples_seen; it stays owed instead, the exact count kept."""
+    controller = CONTROLLERS[kind]()
+    state = controller.init()._replace(
+        examples_seen=jnp.float32(4.5e16), examples_seen_error=jnp.float32(4e9)
+    )
+    after = jax.jit(controller.update)(state, Totals(*map(np.float32, (0, 0, 0))))
+    assert float(after.examples_seen) == float(state.examples_seen)
+    exact = float(state.examples_seen) - float(state.examples_seen_error)
+    assert float(after.examples_seen) - float(after.examples_seen_error) == exact
+
+
+# Derandomized in CI (the same 40 draws each run); it once drew a window of 0
+# after a rounded-up total, which stepped examples_seen back.
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
 @hypothesis.given(
     totals=st.lists(
         st.tuples(*[st.floats(allow_nan=True, allow_infinity=True, width=32)] * 3),

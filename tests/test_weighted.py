@@ -94,10 +94,12 @@ def test_weighted_with_aux(lm):
         loss_sum, count = weighted_loss(params, batch)
         return (loss_sum, count), {"tokens": count}
 
-    (value, aux), grads = jaxaccum.value_and_grad(
-        fun, 4, reduction="weighted", has_aux=True, aux_reduction="sum"
+    (value, aux), grads = jax.jit(
+        jaxaccum.value_and_grad(
+            fun, 4, reduction="weighted", has_aux=True, aux_reduction="sum"
+        )
     )(params, batch)
-    expected = jax.value_and_grad(full_batch_masked_mean)(params, batch)
+    expected = jax.jit(jax.value_and_grad(full_batch_masked_mean))(params, batch)
     chex.assert_trees_all_close((value, grads), expected, rtol=RTOL, atol=ATOL)
     assert float(aux["tokens"]) == sum(length - 1 for length in LENGTHS)
 
@@ -110,7 +112,7 @@ def test_ragged_batch_with_padding_matches_unpadded_full_batch():
         losses, mask = next_token_losses(MODEL, params, batch)
         return jaxaccum.masked_sum(losses, mask & example_mask[:, None])
 
-    expected = jax.value_and_grad(full_batch_masked_mean)(params, batch)
+    expected = jax.jit(jax.value_and_grad(full_batch_masked_mean))(params, batch)
     masks_seen = []
 
     def recording(params, batch, *, example_mask):
@@ -122,8 +124,10 @@ def test_ragged_batch_with_padding_matches_unpadded_full_batch():
     )(params, batch)
     chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)
     assert masks_seen[-1] == (8,)  # 30 rows padded to 32: 4 micro-batches of 8
-    by_size = jaxaccum.value_and_grad(
-        masked, microbatch_size=8, reduction="weighted", pad=True
+    by_size = jax.jit(
+        jaxaccum.value_and_grad(
+            masked, microbatch_size=8, reduction="weighted", pad=True
+        )
     )(params, batch)
     chex.assert_trees_all_close(by_size, expected, rtol=RTOL, atol=ATOL)
     assert_grads_match_full_batch(
