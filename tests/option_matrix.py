@@ -823,6 +823,17 @@ def check_stats(case: Case, stats: Any, data: Data, per: PerExample) -> None:
         assert bounds[0] <= got <= bounds[1], f"noise_scale {got} not in {bounds}"
 
 
+def check_outcome(case: Case, outcome: Outcome, data: Data) -> None:
+    """The value and gradients, then the aux and the statistics where ``case``
+    asks for them, against the big batch of ``data``."""
+    per = per_example(data, case.combo.dtype == "complex64")
+    check_result(case, outcome, data, per)
+    if case.combo.aux_reduction is not None:
+        check_aux(case, outcome.aux, per)
+    if case.combo.report_stats:
+        check_stats(case, outcome.stats, data, per)
+
+
 def check_case(case: Case) -> str:
     """Runs one cell; returns what happened (an event), raising if wrong."""
     combo = case.combo
@@ -836,13 +847,7 @@ def check_case(case: Case) -> str:
         with pytest.raises(ValueError, match="not supported when each device"):
             build(combo)(*args)
         return "documented error: per-micro-batch aux under shard_map"
-    outcome = unpack(combo, build(combo)(*args))
-    per = per_example(data, combo.dtype == "complex64")
-    check_result(case, outcome, data, per)
-    if combo.aux_reduction is not None:
-        check_aux(case, outcome.aux, per)
-    if combo.report_stats:
-        check_stats(case, outcome.stats, data, per)
+    check_outcome(case, unpack(combo, build(combo)(*args)), data)
     return f"match: {combo.path}"
 
 
@@ -995,11 +1000,5 @@ def check_masked_case(case: MaskedCase) -> str:
     if not case.in_range:
         assert_no_plausible_number(outcome)
         return "out of range under jit: no plausible number"
-    outcome = first_active(case, outcome)
-    per = per_example(data, combo.dtype == "complex64")
-    check_result(reference, outcome, data, per)
-    if combo.aux_reduction is not None:
-        check_aux(reference, outcome.aux, per)
-    if combo.report_stats:
-        check_stats(reference, outcome.stats, data, per)
+    check_outcome(reference, first_active(case, outcome), data)
     return f"match: masked {combo.path}"
