@@ -831,11 +831,11 @@ def measure_step_cost(
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
-      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
       >>> grads = jax.jit(jaxaccum.value_and_grad(loss, 64, masked=True))
-      >>> x = jnp.ones((64 * 32, 16))
+      >>> w, x = jnp.ones((256, 256)), jnp.ones((64 * 64, 256))
       >>> cost = jaxaccum.measure_step_cost(
-      ...     lambda num: grads(jnp.ones(16), x, active_microbatches=num), 32, (4, 64)
+      ...     lambda num: grads(w, x, active_microbatches=num), 64, (4, 64)
       ... )
       >>> cost.example_seconds > 0
       True

@@ -11,7 +11,7 @@ sqrt), so a factor of k operations is within k u (relative) of its float64
 value; the tests allow twice that.
 """
 
-import time
+import types
 from typing import NamedTuple
 
 import chex
@@ -397,16 +397,26 @@ def test_arbitrary_windows_keep_the_state_finite_and_the_count_monotone(totals):
 PROPERTY_UPDATES = {kind: jax.jit(make().update) for kind, make in CONTROLLERS.items()}
 
 
-def test_measure_step_cost_solves_for_the_step_and_the_example():
-    def window_step(num):  # 20 ms a step, 1 ms an example
-        time.sleep(0.020 + 0.001 * 4 * num)
+def test_measure_step_cost_solves_for_the_step_and_the_example(monkeypatch):
+    import jaxaccum._growth as growth
+
+    clock = [0.0]  # a fake clock: the answer is exact, whatever the host's load
+    monkeypatch.setattr(
+        growth, "time", types.SimpleNamespace(perf_counter=lambda: clock[0])
+    )
+
+    def window_step(num):  # 20 ms a step, 1 ms an example, 4 examples a micro-batch
+        clock[0] += 0.020 + 0.001 * 4 * num
         return jnp.zeros(())
 
     cost = jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
-    np.testing.assert_allclose(cost.example_seconds, 0.001, rtol=0.2)
-    np.testing.assert_allclose(cost.step_cost, 20.0, rtol=0.25)
+    np.testing.assert_allclose(cost.example_seconds, 0.001, rtol=1e-9)
+    np.testing.assert_allclose(cost.step_seconds, 0.020, rtol=1e-9)
+    np.testing.assert_allclose(cost.step_cost, 20.0, rtol=1e-9)
     with pytest.raises(ValueError, match="two increasing sizes"):
         jaxaccum.measure_step_cost(window_step, 4, (8, 8))
+    with pytest.raises(ValueError, match="timing noise"):
+        jaxaccum.measure_step_cost(lambda num: jnp.zeros(()), 4, (1, 8))
 
 
 @pytest.mark.parametrize(("optimizer", "power"), [("sgd", 1.0), ("adam", 0.5)])
