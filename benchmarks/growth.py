@@ -1,6 +1,7 @@
 """Growing the batch: when does it pay, and what does the masked step cost?
 
-Four measurements, one run:
+``python benchmarks/growth.py`` (under a minute on 2 cores; writes
+benchmarks/results/growth.json and growth.png):
 
 1. Smith et al. (2018), "Don't Decay the Learning Rate, Increase the Batch
    Size": on a noisy linear regression with SGD, doubling the batch
@@ -10,30 +11,25 @@ Four measurements, one run:
    phases after it). Both runs use one masked program
    (`value_and_grad(masked=True)`) and `scale_by_batch_learning_rate`; the
    population loss is exact, so the comparison has no evaluation noise.
-2. On a teacher-labelled MLP classifier with Adam (learning rate coupled to
-   the batch by the "sqrt" rule), the noise-scale controller
-   (`jaxaccum.noise_scale_batch`, its defaults) against fixed windows of
-   N = 2 .. 32 micro-batches of 32: examples and steps to a target held-out
-   loss. The target was picked on a pilot seed (0) that the evaluation seeds
-   (1 .. SEEDS) do not include.
-3. The controller's window (N x micro-batch) against its measured noise
-   scale (the EMA `noise_scale(state)`) over training: the figure.
-4. The masked step's skip cost: a window of M micro-batches with k active
+2. The masked step's skip cost: a window of M micro-batches with k active
    against the plain step of k micro-batches, in interleaved rounds.
+
+``python benchmarks/growth.py cost`` (about 8 minutes; writes
+benchmarks/results/growth_cost.json and growth_cost.png): time to a held-out
+loss, ``examples + step_cost * steps``, for the controller
+(`jaxaccum.noise_scale_batch`) given each step cost against every fixed
+window, and a Seesaw ramp against the cosine decay it is built from run at
+each fixed window, on a teacher-labelled MLP classifier and on a character
+language model whose noise scale grows; settings chosen on TUNING_SEEDS,
+evaluated on COST_SEEDS.
+
+``python benchmarks/growth.py adam-noise`` (about 4 minutes; writes
+benchmarks/results/growth_adam_noise.json): why the controller misses at
+c=64 on the MLP. The noise scale of Adam's preconditioned gradient against
+the raw one, from per-example gradients along fixed-window runs.
 
 Every run is a jitted `lax.while_loop`: one compile per program, no host
 round trip per step.
-
-Run: python benchmarks/growth.py   (a few minutes on 2 cores; writes
-benchmarks/results/growth.json and benchmarks/results/growth.png)
-
-5. ``python benchmarks/growth.py cost`` (about 8 minutes): time to a held-out
-   loss, ``examples + step_cost * steps``, for the controller given each step
-   cost against every fixed window, and a Seesaw ramp against the cosine
-   decay it is built from run at each fixed window, on the MLP and on a
-   character language model whose noise scale grows; settings chosen on
-   TUNING_SEEDS, evaluated on COST_SEEDS. Writes
-   benchmarks/results/growth_cost.json and growth_cost.png.
 """
 
 import functools
@@ -59,7 +55,15 @@ TOTAL_EXAMPLES = 120_000
 REGRESSION_SEEDS = 64
 EQUIVALENCE_TOLERANCE = 0.05
 
-# 2. and 3. The controller against fixed windows.
+# 2. The masked step's skip cost.
+SKIP_MAX_MICROBATCHES = 8
+SKIP_MICROBATCH = 64
+ROUNDS = 9
+CALLS = 3
+SKIP_COST_AIM = 0.02
+
+
+# 3. The cost sweep's tasks: micro-batches, windows, the MLP classifier.
 FEATURES, HIDDEN, CLASSES = 32, 128, 10
 MICROBATCH = 32
 FIXED_NUM_MICROBATCHES = (2, 4, 8, 16, 32)
@@ -68,16 +72,6 @@ BASE_BATCH = FIXED_NUM_MICROBATCHES[0] * MICROBATCH
 TARGET_LOSS = 0.15  # held-out cross-entropy; from the pilot, seed 0
 MAX_EXAMPLES = 400_000  # a run that has not reached the target stops here
 EVAL_SIZE = 1024
-SEEDS = 5
-EXAMPLES_AIM, STEPS_AIM = 1.15, 0.7  # controller / smallest fixed window
-
-# 4. The masked step's skip cost.
-SKIP_MAX_MICROBATCHES = 8
-SKIP_MICROBATCH = 64
-ROUNDS = 9
-CALLS = 3
-SKIP_COST_AIM = 0.02
-
 
 # 1. Smith et al.'s equivalence ---------------------------------------------
 
@@ -200,159 +194,7 @@ def smith_equivalence() -> dict:
     return result, curves, ramp
 
 
-# 2. and 3. The controller against fixed windows ----------------------------
-
-CLASSIFIER_TEACHER = jax.random.normal(jax.random.key(42), (FEATURES, CLASSES))
-
-
-def classifier_params(key, sizes=(FEATURES, HIDDEN, HIDDEN, CLASSES)):
-    keys = jax.random.split(key, len(sizes) - 1)
-    return [
-        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
-        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
-    ]
-
-
-def classifier_loss(params, batch):
-    x = batch["x"]
-    for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    logits = x @ params[-1]["w"] + params[-1]["b"]
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
-
-
-def classifier_batch(key, size):
-    x = jax.random.normal(key, (size, FEATURES))
-    return {"x": x, "y": jnp.argmax(x @ CLASSIFIER_TEACHER, axis=-1)}
-
-
-EVAL_BATCH = classifier_batch(jax.random.key(999), EVAL_SIZE)
-
-
-class TrainCarry(NamedTuple):
-    params: Any
-    opt_state: Any
-    controller_state: Any
-    key: jax.Array
-    step: jax.Array
-    eval_loss: jax.Array
-    history: jax.Array  # (max windows, 3): eval loss, window batch, B_noise EMA
-
-
-@functools.cache
-def adam_run(controller: jaxaccum.NoiseScaleBatch):
-    """A jitted ``run(seed)``: Adam until the held-out loss reaches TARGET_LOSS
-    (or MAX_EXAMPLES), the window sized by ``controller``, masked up to its
-    largest size (a fixed window is a controller whose min and max agree)."""
-    max_num = controller.max_microbatches
-    grad = jaxaccum.value_and_grad(
-        classifier_loss, max_num, masked=True, report_stats=True
-    )
-    optimizer = optax.chain(
-        optax.scale_by_adam(),
-        jaxaccum.scale_by_batch_learning_rate(ADAM_LEARNING_RATE, BASE_BATCH, "sqrt"),
-    )
-    max_windows = MAX_EXAMPLES // (controller.min_microbatches * MICROBATCH) + 1
-
-    def not_done(carry: TrainCarry):
-        seen = carry.controller_state.examples_seen
-        return (carry.eval_loss > TARGET_LOSS) & (seen < MAX_EXAMPLES)
-
-    def adam_step(carry: TrainCarry) -> TrainCarry:
-        key, batch_key = jax.random.split(carry.key)
-        batch = classifier_batch(batch_key, max_num * MICROBATCH)
-        active = carry.controller_state.num_microbatches
-        (_, grads), stats = grad(carry.params, batch, active_microbatches=active)
-        updates, opt_state = optimizer.update(
-            grads, carry.opt_state, carry.params, batch_size=stats.big_batch
-        )
-        params = optax.apply_updates(carry.params, updates)
-        controller_state = controller.update(carry.controller_state, stats)
-        eval_loss = classifier_loss(params, EVAL_BATCH)
-        window = jnp.stack(
-            [eval_loss, stats.big_batch, controller.noise_scale(controller_state)]
-        )
-        history = carry.history.at[carry.step].set(window)
-        return TrainCarry(
-            params, opt_state, controller_state, key, carry.step + 1, eval_loss, history
-        )
-
-    @jax.jit
-    def run(seed):
-        params = classifier_params(jax.random.fold_in(jax.random.key(0), seed))
-        init = TrainCarry(
-            params,
-            optimizer.init(params),
-            controller.init(),
-            jax.random.fold_in(jax.random.key(1), seed),
-            jnp.zeros((), jnp.int32),
-            jnp.asarray(jnp.inf, jnp.float32),
-            jnp.full((max_windows, 3), jnp.nan),
-        )
-        return jax.lax.while_loop(not_done, adam_step, init)
-
-    return run
-
-
-def to_target(run: TrainCarry) -> dict:
-    steps = int(run.step)
-    history = np.asarray(run.history[:steps])
-    return {
-        "reached": bool(run.eval_loss <= TARGET_LOSS),
-        "steps": steps,
-        "examples": float(run.controller_state.examples_seen),
-        "window_batch": history[:, 1],
-        "noise_scale": history[:, 2],
-    }
-
-
-def controller_vs_fixed() -> dict:
-    contenders = {
-        f"fixed N={num}": jaxaccum.noise_scale_batch(
-            MICROBATCH, num, min_microbatches=num
-        )
-        for num in FIXED_NUM_MICROBATCHES
-    }
-    contenders["noise_scale_batch"] = jaxaccum.noise_scale_batch(
-        MICROBATCH, max(FIXED_NUM_MICROBATCHES)
-    )
-    runs = {name: [] for name in contenders}
-    for seed in range(1, SEEDS + 1):
-        for name, controller in contenders.items():
-            runs[name].append(to_target(adam_run(controller)(seed)))
-            print(f"  seed {seed} {name}: {runs[name][-1]['steps']} steps")
-    smallest = runs[f"fixed N={FIXED_NUM_MICROBATCHES[0]}"]
-    table = {}
-    for name, seeds in runs.items():
-        table[name] = {
-            "reached_target": all(run["reached"] for run in seeds),
-            "examples": spread([run["examples"] for run in seeds]),
-            "steps": spread([run["steps"] for run in seeds]),
-            # Per seed, against the smallest fixed window of the same seed.
-            "examples_ratio": spread(
-                [
-                    r["examples"] / s["examples"]
-                    for r, s in zip(seeds, smallest, strict=True)
-                ]
-            ),
-            "steps_ratio": spread(
-                [r["steps"] / s["steps"] for r, s in zip(seeds, smallest, strict=True)]
-            ),
-        }
-    controlled = runs["noise_scale_batch"]
-    table["noise_scale_batch"]["window_changes"] = [
-        {
-            "window": int(change + 1),
-            "batch": float(run["window_batch"][change + 1]),
-            "noise_scale_ema": float(run["noise_scale"][change]),
-        }
-        for run in controlled[:1]
-        for change in np.flatnonzero(np.diff(run["window_batch"]))
-    ]
-    return table, controlled
-
-
-# 4. The masked step's skip cost --------------------------------------------
+# 2. The masked step's skip cost --------------------------------------------
 
 
 def skip_cost() -> dict:
@@ -407,7 +249,7 @@ def skip_cost() -> dict:
     return result
 
 
-# 5. Time to target at a step's cost: the controller against fixed windows --
+# 3. Time to target at a step's cost: the controller against fixed windows --
 
 STEP_COSTS = (0.0, 64.0, 1024.0, 16384.0)  # t_step / t_example, in examples
 # Seed 0 chose the targets; seeds 0-2 chose the controller's settings (the
@@ -419,6 +261,35 @@ COST_AIM = 1.05  # controller time / best fixed window's, at every cost
 TEXT_FILES = ("argparse.py", "difflib.py", "inspect.py", "typing.py", "tarfile.py")
 CONTEXT, EMBED, LM_HIDDEN = 16, 16, 256
 EVAL_EVERY = 1024  # examples between held-out evaluations: the largest window
+
+
+# The MLP classifier: Gaussian inputs labelled by a random linear teacher.
+
+CLASSIFIER_TEACHER = jax.random.normal(jax.random.key(42), (FEATURES, CLASSES))
+
+
+def classifier_params(key, sizes=(FEATURES, HIDDEN, HIDDEN, CLASSES)):
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
+def classifier_loss(params, batch):
+    x = batch["x"]
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    logits = x @ params[-1]["w"] + params[-1]["b"]
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+
+
+def classifier_batch(key, size):
+    x = jax.random.normal(key, (size, FEATURES))
+    return {"x": x, "y": jnp.argmax(x @ CLASSIFIER_TEACHER, axis=-1)}
+
+
+EVAL_BATCH = classifier_batch(jax.random.key(999), EVAL_SIZE)
 
 
 class Task(NamedTuple):
@@ -912,69 +783,121 @@ def main_cost() -> None:
     print(f"Wrote {path} and {RESULTS / 'growth_cost.png'}")
 
 
+# 4. The MLP's miss at c=64: would Adam's preconditioned noise scale move it? -
+
+ADAM_NOISE_EVERY = 16_384  # examples between measurements
+ADAM_NOISE_EXAMPLES = 4096  # per-example gradients per measurement
+
+
+def adam_noise_scales(params, adam_state, key) -> jax.Array:
+    """The MLP's noise scale at ``params`` from per-example gradients: raw,
+    ``tr(S)/|G|^2``; and preconditioned by Adam's bias-corrected second
+    moments, ``P = 1/(sqrt(nu_hat) + eps)`` (optax's defaults), with the
+    curvature taken as the identity, ``tr(P S P)/|P G|^2``, or as ``1/P``,
+    ``tr(P S)/(G' P G)`` (McCandlish et al., appendix on preconditioning)."""
+    batch = classifier_batch(key, ADAM_NOISE_EXAMPLES)
+    rows = jax.tree.map(lambda x: x[:, None], batch)
+    per_example = jax.vmap(jax.grad(classifier_loss), in_axes=(None, 0))(params, rows)
+    flat = jnp.concatenate(
+        [x.reshape(ADAM_NOISE_EXAMPLES, -1) for x in jax.tree.leaves(per_example)], 1
+    )
+    mean, variance = flat.mean(0), flat.var(0, ddof=1)
+    nu = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(adam_state.nu)])
+    precondition = 1 / (jnp.sqrt(nu / (1 - 0.999**adam_state.count)) + 1e-8)
+    return jnp.stack(
+        [
+            variance.sum() / (mean @ mean),
+            (precondition**2 * variance).sum() / jnp.sum((precondition * mean) ** 2),
+            (precondition * variance).sum() / (mean @ (precondition * mean)),
+        ]
+    )
+
+
+def adam_noise(num: int, seed: int) -> list:
+    """Fixed windows of ``num`` micro-batches on the MLP, the cost sweep's
+    optimizer; the three noise scales every ADAM_NOISE_EVERY examples until
+    the target: ``[examples seen, raw, P-I, P-H]`` rows."""
+    batch_size = num * MICROBATCH
+    optimizer = optax.chain(
+        optax.scale_by_adam(),
+        jaxaccum.scale_by_batch_learning_rate(ADAM_LEARNING_RATE, BASE_BATCH, "sqrt"),
+    )
+
+    @jax.jit
+    def step(params, opt_state, key):
+        grads = jax.grad(classifier_loss)(params, classifier_batch(key, batch_size))
+        updates, opt_state = optimizer.update(
+            grads, opt_state, params, batch_size=batch_size
+        )
+        return optax.apply_updates(params, updates), opt_state
+
+    params = classifier_params(jax.random.fold_in(jax.random.key(0), seed))
+    opt_state, key, rows = optimizer.init(params), jax.random.key(seed), []
+    measure = jax.jit(adam_noise_scales)
+    for window in range(MAX_EXAMPLES // batch_size):
+        key, step_key, noise_key = jax.random.split(key, 3)
+        params, opt_state = step(params, opt_state, step_key)
+        seen = (window + 1) * batch_size
+        if seen % ADAM_NOISE_EVERY < batch_size:
+            scales = measure(params, opt_state[0], noise_key)
+            rows.append([seen, *np.asarray(scales).tolist()])
+            if classifier_loss(params, EVAL_BATCH) <= TARGET_LOSS:
+                break
+    return rows
+
+
+def main_adam_noise() -> None:
+    runs = {
+        f"fixed N={num}": {seed: adam_noise(num, seed) for seed in COST_SEEDS}
+        for num in (8, 16)
+    }
+    rows = [row for seeds in runs.values() for run in seeds.values() for row in run]
+    names = ("raw", "preconditioned P-I", "preconditioned P-H")
+    summary = {
+        name: spread([row[column] for row in rows])
+        for column, name in enumerate(names, start=1)
+    }
+    summary["P-I / raw"] = spread([row[2] / row[1] for row in rows])
+    summary["P-H / raw"] = spread([row[3] / row[1] for row in rows])
+    print(summary)
+    path = write_json(
+        "growth_adam_noise",
+        {
+            "task": "mlp classifier",
+            "seeds": list(COST_SEEDS),
+            "every_examples": ADAM_NOISE_EVERY,
+            "per_example_gradients": ADAM_NOISE_EXAMPLES,
+            "columns": ["examples seen", *names],
+            "summary": summary,
+            "runs": runs,
+        },
+    )
+    print(f"Wrote {path}")
+
+
 # The figure and the report --------------------------------------------------
 
 
-def plot(smith_curves, table, controlled, path):
+def plot(smith_curves, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (smith_axis, sweep_axis, noise_axis) = plt.subplots(1, 3, figsize=(16, 4.5))
+    figure, axis = plt.subplots(figsize=(7, 4.5))
     for name, curve in smith_curves.items():
         label = name.replace("_", " ") + f" ({len(curve)} steps)"
-        smith_axis.plot(curve[:, 1], curve[:, 0], label=label)
+        axis.plot(curve[:, 1], curve[:, 0], label=label)
     for milestone in MILESTONES:
-        smith_axis.axvline(milestone, color="k", lw=0.6, ls=":")
-    smith_axis.set(
+        axis.axvline(milestone, color="k", lw=0.6, ls=":")
+    axis.set(
         yscale="log",
         xlabel="examples seen",
         ylabel="population loss - noise floor",
-        title=f"1. SGD: halve the rate or double the batch (median of "
+        title=f"SGD: halve the rate or double the batch (median of "
         f"{REGRESSION_SEEDS} seeds)",
     )
-    smith_axis.legend(fontsize=8)
-    for name, row in table.items():
-        marker = "*" if name == "noise_scale_batch" else "o"
-        sweep_axis.plot(
-            row["steps"]["median"],
-            row["examples"]["median"],
-            marker,
-            markersize=12 if marker == "*" else 7,
-            label=name,
-        )
-    sweep_axis.set(
-        xscale="log",
-        xlabel="optimizer steps to the target",
-        ylabel="examples to the target",
-        title=f"2. Adam to held-out loss {TARGET_LOSS} (median of {SEEDS} seeds)",
-    )
-    sweep_axis.legend(fontsize=8)
-    for seed, run in enumerate(controlled, start=1):
-        seen = np.cumsum(run["window_batch"])
-        noise_axis.plot(
-            seen,
-            run["noise_scale"],
-            color="C0",
-            alpha=0.5,
-            lw=0.8,
-            label="B_noise (EMA)" if seed == 1 else None,
-        )
-        noise_axis.plot(
-            seen,
-            run["window_batch"],
-            color="C3",
-            drawstyle="steps-post",
-            label="window N x 32" if seed == 1 else None,
-        )
-    noise_axis.set(
-        yscale="log",
-        xlabel="examples seen",
-        ylabel="examples",
-        title=f"3. noise_scale_batch's window and its B_noise ({SEEDS} seeds)",
-    )
-    noise_axis.legend(fontsize=8)
+    axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
@@ -991,19 +914,10 @@ def main() -> None:
             f"{row['final_excess_loss']['median']:.5f}"
         )
     print(f"  excess loss ratio {smith['excess_loss_ratio']:.3f}")
-    print("2. The controller against fixed windows")
-    table, controlled = controller_vs_fixed()
-    for name, row in table.items():
-        print(
-            f"  {name}: examples {row['examples']['median']:.0f} "
-            f"(x{row['examples_ratio']['median']:.2f}), steps "
-            f"{row['steps']['median']:.0f} (x{row['steps_ratio']['median']:.2f})"
-        )
-    print("4. The masked step's skip cost")
+    print("2. The masked step's skip cost")
     skip = skip_cost()
     for name, value in skip.items():
         print(f"  {name}: {value}")
-    controller = table["noise_scale_batch"]
     path = write_json(
         "growth",
         {
@@ -1018,30 +932,15 @@ def main() -> None:
                 "seeds": REGRESSION_SEEDS,
                 **smith,
             },
-            "controller_vs_fixed": {
-                "microbatch_size": MICROBATCH,
-                "learning_rate": ADAM_LEARNING_RATE,
-                "base_batch": BASE_BATCH,
-                "rule": "sqrt",
-                "target_loss": TARGET_LOSS,
-                "eval_size": EVAL_SIZE,
-                "max_examples": MAX_EXAMPLES,
-                "seeds": list(range(1, SEEDS + 1)),
-                "aims": {"examples_ratio": EXAMPLES_AIM, "steps_ratio": STEPS_AIM},
-                "aims_met": {
-                    "examples": controller["examples_ratio"]["median"] <= EXAMPLES_AIM,
-                    "steps": controller["steps_ratio"]["median"] <= STEPS_AIM,
-                },
-                "results": table,
-            },
             "skip_cost": {"aim": SKIP_COST_AIM, "rounds": ROUNDS, **skip},
         },
     )
-    plot(smith_curves, table, controlled, RESULTS / "growth.png")
+    plot(smith_curves, RESULTS / "growth.png")
     print(f"Wrote {path} and {RESULTS / 'growth.png'}")
 
 
 if __name__ == "__main__":
     import sys
 
-    main_cost() if sys.argv[1:] == ["cost"] else main()
+    modes = {"cost": main_cost, "adam-noise": main_adam_noise}
+    modes.get(sys.argv[1] if sys.argv[1:] else "", main)()

@@ -13,9 +13,11 @@ hold spaces, ``/`` and ``=``; a list takes an index, ``rows.3``, or a selector,
 whose fields equal those values). The format after ``|``:
 
 - ``mib``, ``kib``: bytes as ``6.6 MiB``, ``40.3 KiB``; ``mib2``: as ``17.09``;
-- ``ms``: seconds as ``71.8 ms``;
+- ``ms``, ``us``: seconds as ``71.8 ms``, ``288 us``;
 - ``x``, ``x3``: a ratio as ``0.72x``, ``0.102x``;
 - ``pct``: a fraction as ``1.7%``;
+- ``yesno``: a boolean as ``yes`` / ``no``; ``names``: a list of names as
+  ``fixed N=4, fixed N=8`` (``-`` when empty);
 - ``range x`` (any format after ``range``): a ``{min, median, max}`` object as
   its range, ``0.16-0.24x``; ``spread .2f`` as ``0.27 / **0.36** / 0.39``;
   ``median x`` and the like take one field;
@@ -91,9 +93,12 @@ def render(value: Any, spec: str) -> str:
         "mib2": lambda v: f"{v / 2**20:.2f}",
         "kib": lambda v: f"{v / 2**10:.1f} KiB",
         "ms": lambda v: f"{v * 1e3:.1f} ms",
+        "us": lambda v: f"{v * 1e6:.3g} us",
         "x": lambda v: f"{v:.2f}x",
         "x3": lambda v: f"{v:.3f}x",
         "pct": lambda v: f"{v * 100:.1f}%",
+        "yesno": lambda v: "yes" if v else "no",
+        "names": lambda v: ", ".join(v) or "-",
     }
     if spec in units:
         return units[spec](value)
@@ -113,7 +118,7 @@ class Figures:
         data = self.files[name]
         try:
             return render(lookup(data, path), spec)
-        except (KeyError, IndexError):
+        except (KeyError, IndexError, ValueError, TypeError):
             # Not one key: ``A / B``, or a key that is not there at all.
             if " / " not in path:
                 raise
