@@ -790,11 +790,16 @@ class StepCost(NamedTuple):
         backward.
       step_cost: ``step_seconds / example_seconds``, in examples: what
         :func:`noise_scale_batch` takes.
+      step_cost_error: how far ``step_cost`` may be off, in examples: the
+        scatter of the repeated timings (each size's median less its least)
+        carried back to a window of no examples. :func:`measure_step_cost`
+        raises rather than return a ``step_cost`` no larger than it.
     """
 
     step_seconds: float
     example_seconds: float
     step_cost: float
+    step_cost_error: float
 
 
 def measure_step_cost(
@@ -810,34 +815,43 @@ def measure_step_cost(
     $t_\\text{step} + N m\\, t_\\text{example}$; timing two sizes (the least
     of ``repeats`` calls each, alternated, after one call each to compile)
     solves for both. Time the whole training step (gradients, optimizer
-    update, the controller), on the devices it will run on.
+    update, the controller), on the devices it will run on. $t_\\text{step}$
+    is the line through the two timings extrapolated to a window of no
+    examples, so it is precise when the small window is small: one or two
+    micro-batches.
 
     Args:
       window_step: ``window_step(num)`` runs one training step whose window
         has ``num`` micro-batches (e.g. the masked program with
         ``active_microbatches=num``) and returns its outputs (blocked on).
       microbatch_size: examples per micro-batch (over all devices).
-      num_microbatches: the two sizes ``(small, large)``, ``small < large``;
-        far apart, for a precise slope.
-      repeats: calls per size; the least time counts.
+      num_microbatches: the two sizes ``(small, large)``, ``small < large``:
+        ``small`` small, for a precise $t_\\text{step}$, ``large`` far from
+        it, for a precise slope.
+      repeats: calls per size; the least time counts, the median's distance
+        from it is the timing's scatter.
 
     Returns:
       A :class:`StepCost`.
 
     Raises:
-      ValueError: for sizes not increasing, or when the larger window was not
-        slower (timing noise: choose sizes further apart).
+      ValueError: for sizes not increasing; when the larger window was not
+        slower (timing noise: choose sizes further apart); when
+        $t_\\text{step}$ is not resolved: no larger than the timing's scatter
+        carried back to no examples (the message gives the bound: if it is
+        small against your batch, pass ``step_cost=EXAMPLES_ONLY``; otherwise
+        time a smaller window on a quieter machine).
 
     Examples:
-      >>> import jax, jax.numpy as jnp
+      A stand-in step of 10 ms plus 0.1 ms an example (yours is a jitted
+      train step, e.g. the masked program with ``active_microbatches=num``):
+
+      >>> import time
       >>> import jaxaccum
-      >>> loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
-      >>> grads = jax.jit(jaxaccum.value_and_grad(loss, 64, masked=True))
-      >>> w, x = jnp.ones((256, 256)), jnp.ones((64 * 64, 256))
-      >>> cost = jaxaccum.measure_step_cost(
-      ...     lambda num: grads(w, x, active_microbatches=num), 64, (4, 64)
-      ... )
-      >>> cost.example_seconds > 0
+      >>> def window_step(num):
+      ...     time.sleep(0.010 + num * 8 * 1e-4)
+      >>> cost = jaxaccum.measure_step_cost(window_step, 8, (1, 16))
+      >>> 80 < cost.step_cost < 125  # 10 ms / 0.1 ms = 100 examples
       True
     """
     check_positive_int("microbatch_size", microbatch_size)
@@ -849,24 +863,57 @@ def measure_step_cost(
         raise ValueError(
             f"num_microbatches must be two increasing sizes, got {num_microbatches}."
         )
-    seconds = {small: math.inf, large: math.inf}
+    seconds: dict[int, list[float]] = {small: [], large: []}
     for num in seconds:
         jax.block_until_ready(window_step(num))
     for _ in range(repeats):
         for num in seconds:
             start = time.perf_counter()
             jax.block_until_ready(window_step(num))
-            seconds[num] = min(seconds[num], time.perf_counter() - start)
-    examples = (large - small) * microbatch_size
-    example_seconds = (seconds[large] - seconds[small]) / examples
+            seconds[num].append(time.perf_counter() - start)
+    return _solve_step_cost(
+        seconds[small], seconds[large], small * microbatch_size, large * microbatch_size
+    )
+
+
+def _solve_step_cost(
+    small_seconds: list[float],
+    large_seconds: list[float],
+    small_examples: int,
+    large_examples: int,
+) -> StepCost:
+    """The line through the least time of each size: its slope
+    ($t_\\text{example}$) and its value at no examples ($t_\\text{step}$),
+    with that value's error from each size's scatter (median less least)."""
+    small_time, large_time = min(small_seconds), min(large_seconds)
+    example_seconds = (large_time - small_time) / (large_examples - small_examples)
     if example_seconds <= 0:
         raise ValueError(
-            f"a window of {large} micro-batches took {seconds[large]:.3g} s, no "
-            f"more than one of {small} ({seconds[small]:.3g} s): timing noise. "
-            "Choose sizes further apart or a larger microbatch_size."
+            f"a window of {large_examples} examples took {large_time:.3g} s, no "
+            f"more than one of {small_examples} ({small_time:.3g} s): timing "
+            "noise. Choose sizes further apart or a larger microbatch_size."
         )
-    step_seconds = max(seconds[small] - small * microbatch_size * example_seconds, 0)
-    return StepCost(step_seconds, example_seconds, step_seconds / example_seconds)
+    step_seconds = small_time - small_examples * example_seconds
+    span = large_examples - small_examples
+    small_scatter = float(np.median(small_seconds)) - small_time
+    large_scatter = float(np.median(large_seconds)) - large_time
+    error = (small_scatter * large_examples + large_scatter * small_examples) / span
+    if step_seconds <= error:
+        bound = (max(step_seconds, 0.0) + error) / example_seconds
+        raise ValueError(
+            f"the step's cost is not resolved: extrapolated to no examples a "
+            f"window takes {step_seconds:.3g} s, within the timing's scatter "
+            f"({error:.3g} s), so it is at most about {bound:,.0f} examples. If "
+            "that is small against your batch, pass step_cost=EXAMPLES_ONLY; "
+            "otherwise time a smaller window (num_microbatches=(1, ...)) on a "
+            "quieter machine."
+        )
+    return StepCost(
+        step_seconds,
+        example_seconds,
+        step_seconds / example_seconds,
+        error / example_seconds,
+    )
 
 
 OptimizerFamily = Literal["sgd", "adam"]

@@ -397,26 +397,50 @@ def test_arbitrary_windows_keep_the_state_finite_and_the_count_monotone(totals):
 PROPERTY_UPDATES = {kind: jax.jit(make().update) for kind, make in CONTROLLERS.items()}
 
 
-def test_measure_step_cost_solves_for_the_step_and_the_example(monkeypatch):
+def _fake_clock(monkeypatch) -> list[float]:
+    """``measure_step_cost``'s clock, advanced by the steps themselves: the
+    answer is exact, whatever the host's load."""
     import jaxaccum._growth as growth
 
-    clock = [0.0]  # a fake clock: the answer is exact, whatever the host's load
+    clock = [0.0]
     monkeypatch.setattr(
         growth, "time", types.SimpleNamespace(perf_counter=lambda: clock[0])
     )
+    return clock
+
+
+def test_measure_step_cost_solves_for_the_step_and_the_example(monkeypatch):
+    clock = _fake_clock(monkeypatch)
+    scatter = iter([0.0, 0.0, 0.0, 0.0, 0.002, 0.002] * 2)  # median 0, worst 2 ms
 
     def window_step(num):  # 20 ms a step, 1 ms an example, 4 examples a micro-batch
-        clock[0] += 0.020 + 0.001 * 4 * num
+        clock[0] += 0.020 + 0.001 * 4 * num + next(scatter, 0.0)
         return jnp.zeros(())
 
     cost = jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
     np.testing.assert_allclose(cost.example_seconds, 0.001, rtol=1e-9)
     np.testing.assert_allclose(cost.step_seconds, 0.020, rtol=1e-9)
     np.testing.assert_allclose(cost.step_cost, 20.0, rtol=1e-9)
+    np.testing.assert_allclose(cost.step_cost_error, 0.0, atol=1e-9)  # medians = least
     with pytest.raises(ValueError, match="two increasing sizes"):
         jaxaccum.measure_step_cost(window_step, 4, (8, 8))
     with pytest.raises(ValueError, match="timing noise"):
         jaxaccum.measure_step_cost(lambda num: jnp.zeros(()), 4, (1, 8))
+
+
+def test_measure_step_cost_refuses_a_step_cost_within_the_scatter(monkeypatch):
+    clock = _fake_clock(monkeypatch)
+    # 0.5 ms a step, 1 ms an example; the small window's calls scatter by 4 ms.
+    small_times = iter([0.0045, 0.0085, 0.0085])
+
+    def window_step(num):
+        clock[0] += next(small_times, 0.0045) if num == 1 else 0.0005 + 0.032
+        return jnp.zeros(())
+
+    # Least times 4.5 ms and 32.5 ms: the line gives 0.5 ms at no examples,
+    # the scatter (4 ms at 4 examples, carried back by 32 / 28) about 4.6 ms.
+    with pytest.raises(ValueError, match=r"not resolved.*at most about 5 examples"):
+        jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
 
 
 @pytest.mark.parametrize(("optimizer", "power"), [("sgd", 1.0), ("adam", 0.5)])

@@ -253,8 +253,9 @@ def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
         verdict = "the effective batch is about right"
     console.print(
         f"Gradient noise scale B_simple of the trained model {noise_scale:,.0f} "
-        f"examples; a step here costs as much as {cost.step_cost:,.0f} examples "
-        f"(measured). The time-optimal batch, sqrt(step cost x B_simple), is "
+        f"examples; a step here costs as much as {cost.step_cost:,.0f} "
+        f"(+- {cost.step_cost_error:,.0f}) examples (measured). The time-optimal "
+        "batch, sqrt(step cost x B_simple), is "
         f"about {best:,.0f} examples against the effective {args.batch_size}: "
         f"{verdict} (McCandlish et al. 2018; docs/guides/growing-the-batch.md: "
         f"jaxaccum.noise_scale_batch(..., step_cost={cost.step_cost:.0f}) "
@@ -264,11 +265,13 @@ def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
 
 
 def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.StepCost:
-    """The demo step's cost in examples: windows of 1 and 8 times ``num``
-    micro-batches of the demo's size, timed (one program each)."""
+    """The demo step's cost in examples: windows of 1 and ``max(num, 8)``
+    micro-batches of the demo's size, timed (one program each; the small
+    window small, so that the line through them is short of no examples)."""
     microbatch_size = args.batch_size // num
+    sizes = (1, max(num, 8))
     optimizer = optax.adam(args.learning_rate)
-    steps = {size: _jitted_train_step(task, size, optimizer) for size in (num, 8 * num)}
+    steps = {size: _jitted_train_step(task, size, optimizer) for size in sizes}
     batches = {
         size: task.make_batch(jax.random.key(args.seed + 3), size * microbatch_size)
         for size in steps
@@ -282,7 +285,7 @@ def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.StepCost:
         return state["params"]
 
     return jaxaccum.measure_step_cost(
-        window_step, microbatch_size, (num, 8 * num), repeats=args.repeats
+        window_step, microbatch_size, sizes, repeats=args.repeats
     )
 
 
