@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from common import RESULTS, spread, write_json
+from jax.flatten_util import ravel_pytree
 
 import jaxaccum
 from jaxaccum.cli import _models
@@ -388,6 +389,18 @@ LM_LEARNING_RATE = 2e-3
 MLP_RAMP_EXAMPLES, LM_RAMP_EXAMPLES = 140_000, 70_000
 
 
+ADAM_B2, ADAM_EPS = 0.999, 1e-8  # optax's defaults, named: the preconditioner's
+
+
+def sweep_optimizer(learning_rate: Any, rule: str) -> optax.GradientTransformation:
+    """Every run's optimizer: Adam, its learning rate following the window's
+    batch by ``rule`` from BASE_BATCH."""
+    return optax.chain(
+        optax.scale_by_adam(b2=ADAM_B2, eps=ADAM_EPS),
+        jaxaccum.scale_by_batch_learning_rate(learning_rate, BASE_BATCH, rule),
+    )
+
+
 class CostCarry(NamedTuple):
     params: Any
     opt_state: Any
@@ -409,10 +422,7 @@ def cost_run(task: Task, controller: Any, learning_rate: Any, rule: str):
     max_num = max(FIXED_NUM_MICROBATCHES)
     min_num = min(controller.possible_num_microbatches)
     grad = jaxaccum.value_and_grad(task.loss, max_num, masked=True, report_stats=True)
-    optimizer = optax.chain(
-        optax.scale_by_adam(),
-        jaxaccum.scale_by_batch_learning_rate(learning_rate, BASE_BATCH, rule),
-    )
+    optimizer = sweep_optimizer(learning_rate, rule)
     max_windows = task.max_examples // (min_num * MICROBATCH) + 1
     noise_scale = getattr(controller, "noise_scale", lambda state: jnp.nan)
 
@@ -792,18 +802,16 @@ ADAM_NOISE_EXAMPLES = 4096  # per-example gradients per measurement
 def adam_noise_scales(params, adam_state, key) -> jax.Array:
     """The MLP's noise scale at ``params`` from per-example gradients: raw,
     ``tr(S)/|G|^2``; and preconditioned by Adam's bias-corrected second
-    moments, ``P = 1/(sqrt(nu_hat) + eps)`` (optax's defaults), with the
+    moments, ``P = 1/(sqrt(nu_hat) + eps)`` (sweep_optimizer's), with the
     curvature taken as the identity, ``tr(P S P)/|P G|^2``, or as ``1/P``,
     ``tr(P S)/(G' P G)`` (McCandlish et al., appendix on preconditioning)."""
     batch = classifier_batch(key, ADAM_NOISE_EXAMPLES)
     rows = jax.tree.map(lambda x: x[:, None], batch)
     per_example = jax.vmap(jax.grad(classifier_loss), in_axes=(None, 0))(params, rows)
-    flat = jnp.concatenate(
-        [x.reshape(ADAM_NOISE_EXAMPLES, -1) for x in jax.tree.leaves(per_example)], 1
-    )
+    flat = jax.vmap(lambda grads: ravel_pytree(grads)[0])(per_example)
     mean, variance = flat.mean(0), flat.var(0, ddof=1)
-    nu = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(adam_state.nu)])
-    precondition = 1 / (jnp.sqrt(nu / (1 - 0.999**adam_state.count)) + 1e-8)
+    nu_hat = ravel_pytree(adam_state.nu)[0] / (1 - ADAM_B2**adam_state.count)
+    precondition = 1 / (jnp.sqrt(nu_hat) + ADAM_EPS)
     return jnp.stack(
         [
             variance.sum() / (mean @ mean),
@@ -818,10 +826,7 @@ def adam_noise(num: int, seed: int) -> list:
     optimizer; the three noise scales every ADAM_NOISE_EVERY examples until
     the target: ``[examples seen, raw, P-I, P-H]`` rows."""
     batch_size = num * MICROBATCH
-    optimizer = optax.chain(
-        optax.scale_by_adam(),
-        jaxaccum.scale_by_batch_learning_rate(ADAM_LEARNING_RATE, BASE_BATCH, "sqrt"),
-    )
+    optimizer = sweep_optimizer(ADAM_LEARNING_RATE, "sqrt")
 
     @jax.jit
     def step(params, opt_state, key):
