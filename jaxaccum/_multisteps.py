@@ -17,12 +17,12 @@ methods and state field names). It differs in cost and exactness:
   measured. One compiled step serves windows of every length.
 """
 
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxaccum._noise_scale import (
@@ -32,7 +32,7 @@ from jaxaccum._noise_scale import (
     in_stats_precision,
     squared_norm,
 )
-from jaxaccum._options import check_scalar
+from jaxaccum._options import check_scalar, static_scalar
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._window import accum_dtype_for
 
@@ -108,26 +108,41 @@ def _check_every_k(
 
 
 def _check_weight(weight: Any) -> jax.Array:
-    """Returns ``weight`` as a float32 scalar, or raises saying what is wrong."""
+    """Returns ``weight`` as a float32 scalar, or raises saying what is wrong
+    (a concrete weight must be a finite number >= 0; a traced one that is not
+    gives NaN, so the window it joins emits NaN)."""
     try:
-        weight = jnp.asarray(weight)
+        # A Python number as float32 (an int past int32 is still a weight).
+        plain = isinstance(weight, int | float) and not isinstance(weight, bool)
+        with np.errstate(over="ignore"):  # 1e300 is refused below, by name
+            array = jnp.asarray(weight, jnp.float32 if plain else None)
     except TypeError as error:
         raise TypeError(
             f"weight must be a scalar number or array, got {type(weight).__name__}."
             " Pass the micro-batch's number of tokens (or examples) as a scalar."
         ) from error
-    if weight.shape != ():
+    if array.shape != ():
         raise ValueError(
-            f"weight must be a scalar (shape ()), got shape {weight.shape}. "
+            f"weight must be a scalar (shape ()), got shape {array.shape}. "
             "Pass the micro-batch's total weight, e.g. mask.sum(), not the "
             "per-example weights."
         )
-    if not jnp.issubdtype(weight.dtype, jnp.number):
+    if not jnp.issubdtype(array.dtype, jnp.number):
         raise TypeError(
-            f"weight must be numeric, got dtype {weight.dtype}. "
+            f"weight must be numeric, got dtype {array.dtype}. "
             "Pass e.g. mask.sum() or a float."
         )
-    return weight.astype(jnp.float32)
+    check_scalar(  # the value as passed: float32 would hide 1e300 and 1e-300
+        "weight",
+        weight,
+        integer=False,
+        low=0.0,
+        hint="It is this call's share of the window (its tokens or examples).",
+    )
+    weight = array.astype(jnp.float32)
+    # Traced, it cannot be checked: a negative or non-finite weight makes the
+    # window's sums NaN, never a plausible gradient.
+    return jnp.where(jnp.isfinite(weight) & (weight >= 0), weight, jnp.nan)
 
 
 class MultiSteps:
@@ -216,20 +231,15 @@ class MultiSteps:
             emitting call.
         """
         if every_k_schedule is not None and not callable(every_k_schedule):
-            if isinstance(every_k_schedule, bool) or not isinstance(
-                every_k_schedule, numbers.Integral
-            ):
-                raise TypeError(
-                    "every_k_schedule must be an int or a function of "
-                    f"gradient_step, got {type(every_k_schedule).__name__}; "
-                    "or None, with update(..., every_k=...) on every call."
-                )
-            every_k_schedule = int(every_k_schedule)
-            if every_k_schedule < 1:
-                raise ValueError(
-                    f"every_k_schedule must be >= 1 calls per window, got "
-                    f"{every_k_schedule}. Use 1 to step on every call."
-                )
+            every_k_schedule = static_scalar(
+                "every_k_schedule",
+                every_k_schedule,
+                integer=True,
+                low=1,
+                hint="Pass an int or a function of gradient_step (calls per "
+                "window; 1 steps on every call), or None with "
+                "update(..., every_k=...) on every call.",
+            )
         self._opt = optax.with_extra_args_support(opt)
         self._every_k_schedule = every_k_schedule
         self._use_grad_mean = use_grad_mean

@@ -47,6 +47,9 @@ def argnums_tuple(name: str, argnums: ArgNums) -> tuple[int, ...]:
 
 # Counts live in int32 arrays (controller states, traced window lengths).
 INT32_MAX = 2**31 - 1
+# Real settings are computed with in float32: the magnitudes it keeps (normal).
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_positive_int(name: str, value: Any, why: str = "") -> None:
@@ -87,8 +90,11 @@ def check_scalar(
 ) -> None:
     """Checks a numeric argument: a Python, NumPy or JAX scalar (shape
     ``()``), an integer (``integer``) or a real number, not a bool, finite and
-    in ``[low, high]`` (``(low, high]`` with ``open_low``). A traced value is
-    checked for its dtype and shape only: its value is not known.
+    in ``[low, high]`` (``(low, high]`` with ``open_low``). Integers are at
+    most ``2**31 - 1`` (counts are kept as int32); reals keep their value in
+    float32, where jaxaccum computes with them (no overflow to infinity, no
+    underflow to 0). A traced value is checked for its dtype and shape only:
+    its value is not known.
 
     Raises:
       TypeError: for a value of another type, dtype or shape, naming ``name``.
@@ -124,6 +130,51 @@ def check_scalar(
     )
     if not in_range:
         raise ValueError(f"{name} must be {allowed}, got {number!r}.{suffix}")
+    if integer and number > INT32_MAX:
+        raise ValueError(
+            f"{name} must be at most 2**31 - 1 = {INT32_MAX} (it is kept as an "
+            f"int32), got {number}.{suffix}"
+        )
+    if not integer and number and not (FLOAT32_TINY <= abs(number) <= FLOAT32_MAX):
+        lost = "infinite" if abs(number) > FLOAT32_MAX else "0 (or lose precision)"
+        zero = low is None or low < 0 or (low == 0 and not open_low)
+        raise ValueError(
+            f"{name} must be {'0 or ' if zero else ''}of magnitude from "
+            f"{FLOAT32_TINY:.3g} to {FLOAT32_MAX:.3g}, got {number!r}: jaxaccum "
+            f"computes with it in float32, where it would become {lost}.{suffix}"
+        )
+
+
+def static_scalar(
+    name: str,
+    value: Any,
+    *,
+    integer: bool,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    hint: str = "",
+) -> Any:
+    """:func:`check_scalar` for a setting fixed when a program is built (a
+    controller's field, a jit-static argument): it must be concrete, and is
+    returned as a Python ``int`` or ``float``, so that it hashes as jit's
+    static arguments need (a 0-d NumPy or JAX value does not).
+
+    Raises:
+      TypeError: for a traced value, or as :func:`check_scalar`.
+      ValueError: as :func:`check_scalar`.
+    """
+    check_scalar(
+        name, value, integer=integer, low=low, high=high, open_low=open_low, hint=hint
+    )
+    suffix = f" {hint}" if hint else ""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a concrete number, got a traced value: it is fixed "
+            f"when the program is built. Pass a Python or NumPy number.{suffix}"
+        )
+    number = value.item() if hasattr(value, "item") else value
+    return int(number) if integer else float(number)
 
 
 def check_count(name: str, value: Any) -> None:

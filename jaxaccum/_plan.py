@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from jaxaccum import _split
@@ -150,6 +151,8 @@ def parse_memory_budget(memory_budget: int | float | str) -> int:
       >>> jaxaccum.parse_memory_budget("1.5 gb")
       1500000000
     """
+    if isinstance(memory_budget, np.ndarray | jax.Array) and memory_budget.shape == ():
+        memory_budget = memory_budget.item()  # a 0-d NumPy or JAX number
     if isinstance(memory_budget, bool) or not isinstance(
         memory_budget, numbers.Real | str
     ):

@@ -281,8 +281,11 @@ def shard_value_and_grad(
             mesh, options.data_axes, jax.sharding.get_abstract_mesh
         )
         diff_args = tuple(args[num] for num in options.diff_nums)
+        batch_size = _split.batch_size_of(
+            [(f"args[{i}]", args[i]) for i in options.batch_nums]
+        )
         call_options = dataclasses.replace(
-            _per_device_options(options, args, device_mesh),
+            _per_device_options(options, batch_size, device_mesh),
             param_specs=_param_specs_of(diff_args, options.data_axes),
         )
         per_device = make_accumulated(fun, call_options)
@@ -291,7 +294,11 @@ def shard_value_and_grad(
         def on_device(mapped: tuple, frozen_arrays: list) -> Any:
             call_args, call_kwargs = frozen.rebuild(frozen_arrays)
             for num, value in zip(mapped_nums, mapped, strict=True):
-                call_args[num] = value
+                # A device's rows, their registered nodes labelled so.
+                is_batch = num in options.batch_nums
+                call_args[num] = (
+                    _split.relabelled(value, batch_size) if is_batch else value
+                )
             return per_device(*call_args, **call_kwargs)
 
         shards = shard_plan(call_options)
@@ -373,12 +380,11 @@ def _param_specs_of(diff_args: tuple, data_axes: tuple[str, ...]) -> tuple:
     return tuple(specs)
 
 
-def _per_device_options(options: AccumOptions, args: tuple, mesh: Any) -> AccumOptions:
+def _per_device_options(
+    options: AccumOptions, batch_size: int, mesh: Any
+) -> AccumOptions:
     """The options of one device's window: its share of the micro-batch size."""
     num_devices = math.prod(mesh.shape[axis] for axis in options.data_axes)
-    batch_size = _split.batch_size_of(
-        [(f"args[{i}]", args[i]) for i in options.batch_nums]
-    )
     local_microbatch_size = _local_split(batch_size, num_devices, options)
     if local_microbatch_size is None:
         return options

@@ -17,6 +17,9 @@ error (see :func:`check_sharded_split`).
 
 import collections
 import dataclasses
+import inspect
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -35,7 +38,8 @@ def _label(prefix: str, path: tuple) -> str:
 
 def divisors(size: int) -> list[int]:
     """The positive divisors of ``size``, increasing: the ``N`` that split it."""
-    return [d for d in range(1, size + 1) if size % d == 0]
+    small = [d for d in range(1, math.isqrt(size) + 1) if size % d == 0]
+    return small + [size // d for d in reversed(small) if d * d != size]
 
 
 class Split(NamedTuple):
@@ -88,12 +92,24 @@ def register_batch_node(
             ),
         )
 
+    jaxaccum checks what ``resize`` returns: where the static data held the
+    rows it was given (the batch's, a device's share, a padded batch's), the
+    static data it returns for another size must hold that size.
+
     Like ``jax.tree_util.register_pytree_node``, this is process-wide;
-    registering a type again replaces its entry.
+    registering a type again replaces its entry, and clears JAX's compilation
+    caches (``jax.clear_caches``) so that no function traced with the old
+    entry is reused.
 
     Args:
-      node_type: the pytree node class.
-      resize: ``resize(static, size) -> static``, or None.
+      node_type: the pytree node class (not a leaf type such as ``int`` or an
+        array).
+      resize: ``resize(static, size) -> static``, called with two positional
+        arguments, or None.
+
+    Raises:
+      TypeError: for a node type that is not a class or is a leaf type, or a
+        ``resize`` that is not a function of two arguments.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -115,17 +131,58 @@ def register_batch_node(
     """
     if not isinstance(node_type, type):
         raise TypeError(f"node_type must be a class, got {node_type!r}.")
-    if resize is not None and not callable(resize):
+    if issubclass(node_type, _LEAF_TYPES):
+        raise TypeError(
+            f"node_type {node_type.__name__} is a leaf type, not a pytree node: "
+            "jaxaccum splits its values by their leading axis already. Register "
+            "the pytree node class whose static (tree_flatten aux) data holds "
+            "the batch size."
+        )
+    if resize is not None:
+        _check_resize(resize)
+    if node_type in _BATCH_NODES and _BATCH_NODES[node_type] is not resize:
+        jax.clear_caches()  # traces that applied the old entry
+    _BATCH_NODES[node_type] = resize
+
+
+# Types whose values are pytree leaves (or plain containers, split by their
+# children): registering one declares nothing.
+_LEAF_TYPES = (numbers.Number, str, bytes, np.ndarray, np.generic, jax.Array)
+
+
+def _check_resize(resize: Any) -> None:
+    """``resize`` must be callable as ``resize(static, size)``."""
+    if not callable(resize):
         raise TypeError(
             f"resize must be a function resize(static, size) -> static or None, "
             f"got {resize!r}."
         )
-    _BATCH_NODES[node_type] = resize
+    try:
+        inspect.signature(resize).bind(None, 1)
+    except TypeError as error:
+        raise TypeError(
+            f"resize must take two positional arguments, resize(static, size), "
+            f"and return the node's static data for `size` rows; "
+            f"{getattr(resize, '__qualname__', resize)!r} cannot: {error}."
+        ) from None
+    except ValueError:  # no signature to read (a C function): called as is
+        return
 
 
-def resized_treedef(tree: Any, size: int) -> Any:
+def resized_treedef(tree: Any, size: int, from_size: int | None = None) -> Any:
     """``tree``'s structure with the static data of every node registered with
-    a ``resize`` (:func:`register_batch_node`) resized to ``size`` rows."""
+    a ``resize`` (:func:`register_batch_node`) resized to ``size`` rows.
+
+    ``from_size`` is the rows the static data says now (by default the
+    leaves' leading size). A ``resize`` that leaves a static ``from_size`` in
+    place of ``size`` (it held ``from_size`` and does not hold ``size``) is
+    refused.
+
+    Raises:
+      ValueError: naming the node type and both sizes, for such a ``resize``.
+    """
+    if from_size is None:
+        from_size = np.shape(jax.tree.leaves(tree)[0])[0]
 
     def resized(treedef: Any) -> Any:
         if jax.tree_util.treedef_is_leaf(treedef):
@@ -133,13 +190,43 @@ def resized_treedef(tree: Any, size: int) -> Any:
         node_type, static = treedef.node_data()
         resize = _BATCH_NODES.get(node_type)
         if resize is not None:
-            static = resize(static, size)
+            new_static = resize(static, size)
+            _check_resized(node_type, static, new_static, from_size, size)
+            static = new_static
         children = [resized(child) for child in treedef.children()]
         return jax.tree_util.PyTreeDef.from_node_data_and_children(
             jax.tree_util.default_registry, (node_type, static), children
         )
 
     return resized(jax.tree.structure(tree))
+
+
+def _check_resized(
+    node_type: type, static: Any, new_static: Any, from_size: int, size: int
+) -> None:
+    if size == from_size or not _holds_size(static, from_size):
+        return
+    if _holds_size(new_static, size):
+        return
+    raise ValueError(
+        f"The resize registered for {node_type.__name__} "
+        f"(jaxaccum.register_batch_node) was asked for the static data of "
+        f"{size} rows, from static data of {from_size} rows ({static!r}), and "
+        f"returned {new_static!r}, which does not hold {size}: the model would "
+        f"see {size} rows labelled otherwise. Make resize(static, size) return "
+        "the static data with its batch size set to `size`."
+    )
+
+
+def relabelled(tree: Any, from_size: int) -> Any:
+    """``tree`` with its registered nodes' static data resized from
+    ``from_size`` rows to the rows its leaves have (a device's share of a
+    batch under ``shard_map``)."""
+    leaves = jax.tree.leaves(tree)
+    size = np.shape(leaves[0])[0]
+    if size == from_size:
+        return tree
+    return jax.tree.unflatten(resized_treedef(tree, size, from_size), leaves)
 
 
 def _int_value(static: Any) -> int | None:
@@ -245,6 +332,13 @@ def batch_size_of(batches: Sequence[tuple[str, Any]]) -> int:
             "The batch argument(s) contain no arrays; nothing to split into "
             "micro-batches. Check batch_argnums."
         )
+    if 0 in sizes.values():
+        empty = next(name for name, size in sizes.items() if size == 0)
+        raise ValueError(
+            f"Batch leaf {empty} has 0 rows: an empty batch has no gradient to "
+            "accumulate. Pass at least one example (skip empty batches in the "
+            "data loader)."
+        )
     if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{name}: {size}" for name, size in sizes.items())
         raise ValueError(
@@ -297,6 +391,8 @@ def pad_batch(batch: Any, padded_size: int) -> Any:
 
     The rows are zeros, or for typed PRNG keys (which have no zero) copies of
     the first row: valid keys, whose rows are masked out like every padded row.
+    Registered batch nodes (:func:`register_batch_node`) are resized to
+    ``padded_size`` rows.
     """
 
     def pad(x):
@@ -308,7 +404,8 @@ def pad_batch(batch: Any, padded_size: int) -> Any:
             return jnp.concatenate([x, fill])
         return jnp.pad(x, [(0, missing)] + [(0, 0)] * (x.ndim - 1))
 
-    return jax.tree.map(pad, batch)
+    padded = jax.tree.map(pad, batch)
+    return relabelled(padded, np.shape(jax.tree.leaves(batch)[0])[0])
 
 
 def explicit_sharding(aval: Any) -> NamedSharding | None:

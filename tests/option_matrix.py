@@ -88,7 +88,10 @@ class Combo:
     num_microbatches: int
     mesh: str = "single"
     masked: bool = False  # num_microbatches is the window's maximum
-    microbatch_size: int | None = None  # passed instead of num_microbatches
+    # Passed instead of num_microbatches (examples over all devices), which
+    # then holds the N it gives.
+    microbatch_size: int | None = None
+    batch_node: bool = False  # the batch is a registered Rows node (below)
 
     @property
     def devices(self) -> int:
@@ -110,9 +113,14 @@ def cases(
     paths: Sequence[str],
     meshes: Sequence[str] = ("single",),
     dtypes: Sequence[str] = tuple(DTYPES),
+    batch_node: bool | None = None,
 ) -> st.SearchStrategy[Case]:
-    """Cases over ``paths``; sharded paths on one of ``meshes``. ``pad`` draws
-    a batch that ``N`` does not divide (per device), else one it divides."""
+    """Cases over ``paths``; sharded paths on one of ``meshes``; the batch a
+    registered node as ``batch_node`` says (None: drawn). ``pad`` draws a
+    batch that ``N`` does not divide (per device), else one it divides. Half
+    the cases pass ``microbatch_size`` (the ``N`` drawn, as a size), and
+    padded ones then also one micro-batch larger than the batch (``N = 1``,
+    padded)."""
 
     rarely = st.sampled_from((True,) + (False,) * 7)
 
@@ -122,13 +130,24 @@ def cases(
         mesh = draw(st.sampled_from(meshes)) if path in SHARD_PATHS else "single"
         reduction = draw(st.sampled_from(REDUCTIONS))
         num = draw(st.sampled_from(NUM_MICROBATCHES))
+        by_size = draw(st.booleans())
         # The documented errors (pad with mean, per-micro-batch aux under
         # shard_map) are checked, but drawn rarely: they compute nothing.
-        pad = num > 1 and draw(st.booleans() if reduction != "mean" else rarely)
+        can_pad = num > 1 or by_size
+        pad = can_pad and draw(st.booleans() if reduction != "mean" else rarely)
         aux = draw(st.sampled_from((None, *AUX_REDUCTIONS)))
         if path in SHARD_PATHS and aux in PER_MICROBATCH_AUX and not draw(rarely):
             aux = draw(st.sampled_from((None, "mean", "sum")))
-        sizes = [size for size in LOCAL_SIZES if (size % num != 0) == pad]
+        devices = MESHES[mesh][0]
+        if by_size and num == 1 and pad:  # one micro-batch, longer than the rows
+            local = draw(st.sampled_from(LOCAL_SIZES[:-1]))
+            local_micro = local + draw(st.integers(1, 2))
+        else:
+            sizes = [size for size in LOCAL_SIZES if (size % num != 0) == pad]
+            local = draw(st.sampled_from(sizes))
+            local_micro = -(-local // num)
+            if by_size:
+                num = -(-local // local_micro)  # 5 rows in sizes of 2: 3 of them
         combo = Combo(
             path=path,
             reduction=reduction,
@@ -140,9 +159,11 @@ def cases(
             key_leaf=draw(st.booleans()),
             num_microbatches=num,
             mesh=mesh,
+            microbatch_size=local_micro * devices if by_size else None,
+            batch_node=draw(st.booleans()) if batch_node is None else batch_node,
         )
         seed = draw(st.integers(0, 2**32 - 1))
-        return Case(combo, draw(st.sampled_from(sizes)), seed)
+        return Case(combo, local, seed)
 
     return draw_case()
 
@@ -180,6 +201,35 @@ def make_data(case: Case) -> Data:
     )
 
 
+@jax.tree_util.register_pytree_node_class
+class Rows:
+    """A batch node whose static data is its number of rows, as haliax's
+    ``NamedArray`` keeps its axes: registered with
+    ``jaxaccum.register_batch_node``, so each micro-batch (or device's share,
+    or padded batch) must arrive labelled with its own rows."""
+
+    def __init__(self, fields: dict, size: int):
+        self.fields, self.size = fields, size
+
+    def __getitem__(self, name: str) -> jax.Array:
+        return self.fields[name]
+
+    @property
+    def label_factor(self) -> float:
+        """1 when the label is right: the rows held over the rows labelled."""
+        return self.fields["x"].shape[0] / self.size
+
+    def tree_flatten(self) -> tuple:
+        return (self.fields,), self.size
+
+    @classmethod
+    def tree_unflatten(cls, size: int, children: tuple) -> "Rows":
+        return cls(children[0], size)
+
+
+jaxaccum.register_batch_node(Rows, lambda size, rows: rows)
+
+
 # The loss, as each front end sees it.
 
 
@@ -200,17 +250,20 @@ def objective(
     z: jax.Array, batch: dict, combo: Combo, example_mask: jax.Array | None
 ) -> Any:
     """What ``fun`` returns for a micro-batch's scores ``z``: the loss as
-    ``combo.reduction`` says, with aux ``{losses, total, count}`` if drawn."""
+    ``combo.reduction`` says, with aux ``{losses, total, count}`` if drawn. A
+    :class:`Rows` batch scales the loss by its ``label_factor``: a mislabelled
+    micro-batch gives a wrong value and gradient."""
     losses = per_example_losses(z)
     mask = jnp.ones(losses.shape, bool) if example_mask is None else example_mask
     masked = jnp.where(mask, losses, 0.0)
+    factor = batch.label_factor if isinstance(batch, Rows) else 1.0
     if combo.reduction == "mean":
-        loss: Any = jnp.mean(losses)
+        loss: Any = jnp.mean(losses) * factor
     elif combo.reduction == "sum":
-        loss = jnp.sum(masked)
+        loss = jnp.sum(masked) * factor
     else:
         weight = jnp.where(mask, batch["weight"], 0.0)
-        loss = (jnp.sum(weight * masked), jnp.sum(weight))
+        loss = (jnp.sum(weight * masked) * factor, jnp.sum(weight))
     if combo.aux_reduction is None:
         return loss
     aux = {
@@ -371,8 +424,9 @@ def _param_specs(combo: Combo) -> dict:
     return {"w": P("data", "model"), "b": P("model")}
 
 
-def inputs(case: Case, data: Data) -> tuple[dict, dict, jax.Array]:
-    """``(params, batch, offset)``; on the mesh, for the sharded paths."""
+def inputs(case: Case, data: Data) -> tuple[dict, Any, jax.Array]:
+    """``(params, batch, offset)``; on the mesh, for the sharded paths; the
+    batch a :class:`Rows` node if the case says so."""
     combo = case.combo
     params = {
         name: jnp.asarray(getattr(data, name), DTYPES[combo.dtype]) for name in "wb"
@@ -393,6 +447,8 @@ def inputs(case: Case, data: Data) -> tuple[dict, dict, jax.Array]:
         }
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
         offset = jax.device_put(offset, NamedSharding(mesh, P()))
+    if combo.batch_node:
+        return params, Rows(batch, case.batch_size), offset
     return params, batch, offset
 
 
@@ -469,8 +525,13 @@ def layout(case: Case) -> list[list[Micro]]:
     """``[device][k]``: device ``d`` holds rows ``[d L, (d + 1) L)``, pads them
     to a multiple of ``N`` if ``pad``, and its micro-batch ``k`` holds its
     local rows ``k, k + N, ...`` (strided)."""
-    local, num = case.local_size, case.combo.num_microbatches
-    padded = num * -(-local // num) if case.combo.pad else local
+    combo = case.combo
+    local, num = case.local_size, combo.num_microbatches
+    if combo.microbatch_size is not None:
+        padded = num * (combo.microbatch_size // combo.devices)
+    else:
+        padded = num * -(-local // num)
+    padded = padded if combo.pad else local
     devices = []
     for device in range(case.combo.devices):
         micros = []
@@ -915,6 +976,7 @@ def masked_cases(paths: tuple = MASKED_PATHS) -> st.SearchStrategy[MaskedCase]:
             num_microbatches=num,
             masked=not draw(quarter),
             microbatch_size=rows if draw(st.booleans()) else None,
+            batch_node=draw(st.booleans()),
         )
         return MaskedCase(combo, rows, active, call, draw(st.integers(0, 2**32 - 1)))
 

@@ -20,7 +20,7 @@ from option_matrix import SHARD_PATHS, Case, cases, check_case
 
 NUM_DEVICES = 8
 MESHES = ("data2", "data4", "data4_model2")
-DEFAULT_EXAMPLES = {"sharded": 10, "bf16_fsdp_data_model": 3}
+DEFAULT_EXAMPLES = {"sharded": 10, "bf16_fsdp_data_model": 3, "batch_nodes": 8}
 
 
 def _bf16_fsdp_data_model(case: Case) -> bool:
@@ -37,6 +37,8 @@ GROUPS = {
         lambda case: not _bf16_fsdp_data_model(case)
     ),
     "bf16_fsdp_data_model": cases(("shard_fsdp",), ("data4_model2",), ("bfloat16",)),
+    # A registered batch node, each device's share labelled with its rows.
+    "batch_nodes": cases(SHARD_PATHS, ("data2", "data4"), batch_node=True),
 }
 
 

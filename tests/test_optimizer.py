@@ -514,6 +514,10 @@ def test_schedule_returning_float_is_rejected():
         (jnp.ones(3), ValueError, r"shape \(3,\)"),
         ("7", TypeError, "scalar number"),
         (jnp.array(True), TypeError, "numeric"),
+        # Issue 35, case 12: a negative weight emitted (3 g1 - g2) / 2.
+        (-1.0, ValueError, "weight must be >= 0.0, got -1.0"),
+        (np.float32(np.nan), ValueError, "weight must be >= 0.0, got nan"),
+        (jnp.inf, ValueError, "weight must be >= 0.0, got inf"),
     ],
 )
 def test_bad_weight_is_rejected(weight, error, match):
@@ -521,6 +525,30 @@ def test_bad_weight_is_rejected(weight, error, match):
     params = make_params()
     with pytest.raises(error, match=match):
         wrapper.update(params, wrapper.init(params), params, weight=weight)
+
+
+def test_traced_negative_weight_gives_no_plausible_update():
+    """Under jit a weight cannot be checked: a negative one makes the
+    window's update NaN (it emitted (3 g1 - g2) / 2 before)."""
+    wrapper = jaxaccum.MultiSteps(optax.sgd(1.0), 2)
+    params = make_params()
+    update = jax.jit(wrapper.update)
+    state = wrapper.init(params)
+    _, state = update(params, state, params, weight=jnp.float32(1.0))
+    updates, _ = update(params, state, params, weight=jnp.float32(-1.0))
+    for leaf in jax.tree.leaves(updates):
+        assert np.all(np.isnan(leaf)), leaf
+
+
+@pytest.mark.parametrize("every_k", [2**40, np.int64(2**40)])
+def test_window_length_beyond_int32_is_refused(every_k):
+    """Issue 35: every_k=2**40 was an OverflowError from inside JAX."""
+    params = make_params()
+    with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1"):
+        jaxaccum.MultiSteps(optax.sgd(0.1), every_k)
+    wrapper = jaxaccum.MultiSteps(optax.sgd(0.1), None)
+    with pytest.raises(ValueError, match="every_k must be at most 2\\*\\*31 - 1"):
+        wrapper.update(params, wrapper.init(params), params, every_k=every_k)
 
 
 def test_bad_skip_function_is_rejected():

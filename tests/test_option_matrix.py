@@ -81,6 +81,23 @@ def test_option_matrix_matches_full_batch(case):
     event(check_case(case))
 
 
+@settings(
+    max_examples=LONG_EXAMPLES or FAST_EXAMPLES // 2,
+    deadline=None,
+    derandomize=not LONG_EXAMPLES,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(cases(CORE_PATHS + SHARD_PATHS, batch_node=True))
+def test_registered_batch_nodes_match_full_batch(case):
+    """A batch node registered with a resize (option_matrix.Rows) reaches the
+    loss labelled with the rows it holds, whatever the split: N = 1, N > 1,
+    microbatch_size, pad (one padded micro-batch too), every front end; the
+    loss scales by rows held over rows labelled, so a wrong label is a wrong
+    value. The sharded group ``batch_nodes`` runs them on 2 and 4 devices."""
+    event(check_case(case))
+
+
 # One test per front end, so the fast profile draws from every one of them.
 @pytest.mark.parametrize("path", MASKED_PATHS)
 @settings(

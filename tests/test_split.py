@@ -333,3 +333,120 @@ def test_pad_with_prng_key_leaves_equals_the_full_batch():
     chex.assert_trees_all_close(
         accumulated, jax.value_and_grad(mean_loss)(1.0, batch), rtol=1e-5
     )
+
+
+class Labelled:
+    """A node whose static data is its number of rows (for the issue 35
+    cases: each test registers it as it needs)."""
+
+    def __init__(self, x, size):
+        self.x, self.size = x, size
+
+
+jax.tree_util.register_pytree_node(
+    Labelled,
+    lambda node: ((node.x,), node.size),
+    lambda size, children: Labelled(children[0], size),
+)
+
+
+def labelled_loss(params, batch):
+    return jnp.sum(jnp.tanh(batch.x @ params["w"])) / batch.size
+
+
+LABELLED = Labelled(jnp.arange(24.0).reshape(8, 3) / 24, 8)
+
+
+def test_resize_that_keeps_the_batch_size_is_refused():
+    """Issue 35, case 2: a resize returning the static data unchanged gave a
+    value off by N (1.9547 for 5.8642); the size jaxaccum asked for is not in
+    what it returned, so it is refused, naming both sizes."""
+    jaxaccum.register_batch_node(Labelled, lambda static, size: static)
+    with pytest.raises(ValueError) as error:
+        jaxaccum.value_and_grad(labelled_loss, 2)(PARAMS, LABELLED)
+    for part in ("Labelled", "static data of 4 rows", "of 8 rows", "returned 8"):
+        assert part in str(error.value), str(error.value)
+
+
+def test_registering_again_retraces_jitted_functions():
+    """Issue 35, case 3: a step jitted before a type is registered again uses
+    the new resize (the old one stayed in JAX's cache before)."""
+    calls = []
+
+    def resize(static, size):
+        calls.append("first")
+        return size
+
+    jaxaccum.register_batch_node(Labelled, resize)
+    step = jax.jit(jaxaccum.value_and_grad(labelled_loss, 2))
+    first = step(PARAMS, LABELLED)
+
+    def corrected(static, size):
+        calls.append("second")
+        return size
+
+    jaxaccum.register_batch_node(Labelled, corrected)
+    second = step(PARAMS, LABELLED)
+    assert "second" in calls, calls
+    chex.assert_trees_all_equal(first, second)
+    chex.assert_trees_all_close(
+        first, jax.value_and_grad(labelled_loss)(PARAMS, LABELLED)
+    )
+
+
+def test_one_padded_micro_batch_is_labelled_with_its_rows():
+    """Issue 35, case 4: pad=True with one micro-batch longer than the batch
+    (microbatch_size=16, 10 rows) labels it 16 rows (it said 10)."""
+    jaxaccum.register_batch_node(Labelled, lambda static, size: size)
+    seen = []
+
+    def weighted(params, batch, example_mask):
+        seen.append((batch.size, batch.x.shape[0]))
+        losses = jnp.tanh(batch.x @ params["w"]) * batch.x.shape[0] / batch.size
+        return jnp.sum(losses * example_mask), jnp.sum(example_mask) * 1.0
+
+    batch = Labelled(jnp.arange(30.0).reshape(10, 3) / 30, 10)
+    value, grads = jaxaccum.value_and_grad(
+        weighted, microbatch_size=16, pad=True, reduction="weighted"
+    )(PARAMS, batch)
+    assert seen == [(16, 16)], seen
+
+    def mean_loss(params, batch):
+        return jnp.mean(jnp.tanh(batch.x @ params["w"]))
+
+    chex.assert_trees_all_close(
+        (value, grads), jax.value_and_grad(mean_loss)(PARAMS, batch)
+    )
+
+
+@pytest.mark.parametrize(
+    ("node_type", "resize", "message"),
+    [
+        (int, None, "int is a leaf type"),
+        (np.ndarray, None, "ndarray is a leaf type"),
+        (Labelled, lambda static: static, "two positional arguments"),
+        (Labelled, "size", "must be a function"),
+        ("Labelled", None, "must be a class"),
+    ],
+)
+def test_register_batch_node_refuses_what_cannot_work(node_type, resize, message):
+    """Issue 35: a leaf type or a one-argument resize was accepted, failing
+    later with a bare TypeError."""
+    with pytest.raises(TypeError, match=message):
+        jaxaccum.register_batch_node(node_type, resize)
+
+
+@pytest.mark.parametrize("accumulate", ["value_and_grad", "split_batch", "plan"])
+def test_batch_of_no_rows_is_refused(accumulate):
+    """Issue 35: an empty batch raised ZeroDivisionError (_split.py) or
+    IndexError (_plan.py)."""
+    batch = {"x": jnp.ones((0, 3))}
+    with pytest.raises(
+        ValueError, match=r"args\[1\]\['x'\] has 0 rows|batch\['x'\] has 0 rows"
+    ):
+        if accumulate == "value_and_grad":
+            jaxaccum.value_and_grad(loss, microbatch_size=2)(PARAMS, batch)
+        elif accumulate == "split_batch":
+            jaxaccum.split_batch(batch, 1)
+        else:
+            jaxaccum.plan(loss, PARAMS, batch, memory_budget="1MiB")
