@@ -6,13 +6,16 @@ import json
 import subprocess
 import sys
 
+import chex
 import cli_losses
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import jaxaccum
 from jaxaccum import cli
+from jaxaccum.cli import _bench_command, _demo, _plan_command
 
 TINY_MODEL = ["--batch-size", "256", "--features", "16", "--width", "32"]
 
@@ -348,12 +351,13 @@ def test_plan_command_debug_shows_the_traceback(capsys):
             ["bench", "--models", "rnn"],
             "jaxaccum bench: error: argument --models: invalid choice: 'rnn'",
         ),
-        (
+        (  # checked when parsed, by the library's parse_memory_budget
             ["demo", "--memory-budget", "2G"],
-            "jaxaccum demo: error: Unknown unit 'g' in memory_budget='2G'",
+            "jaxaccum demo: error: argument --memory-budget: Unknown unit 'g' in "
+            "memory_budget='2G'",
         ),
     ],
-    ids=["bench-usage", "demo-runtime"],
+    ids=["bench-usage", "demo-budget"],
 )
 def test_other_commands_errors_are_one_line(capsys, tmp_path, argv, line):
     code, _, err = run_cli(capsys, *argv, "--out", str(tmp_path))
@@ -380,3 +384,243 @@ def test_plan_command_runs_as_a_module():
     assert result.returncode == 0, result.stderr
     assert "<- chosen" in result.stdout
     assert "num_microbatches=" in result.stdout
+
+
+@pytest.fixture
+def commands_run(monkeypatch):
+    """The commands' work, recorded instead of run: ``[(command, args)]``."""
+    calls = []
+    for module, name in (
+        (_demo, "demo"),
+        (_plan_command, "plan_command"),
+        (_bench_command, "bench_command"),
+    ):
+        monkeypatch.setattr(
+            module, name, lambda args, name=name: calls.append((name, args))
+        )
+    return calls
+
+
+INTEGER_VALUES = ["0", "-1", "2.5", "nan", "inf", str(2**40), "many"]
+# Every numeric flag of every command, and its bad values. A real flag takes
+# 2.5 and 2**40 (a learning rate, a budget of 1 TiB); --seed takes 0.
+FLAG_VALUES = {
+    "integer": INTEGER_VALUES,
+    "seed": [value for value in INTEGER_VALUES if value != "0"],
+    "real": ["0", "-1", "nan", "inf", "1e+39", "many"],
+    "budget": ["0", "-1", "0.5", "nan", "inf", "many"],
+}
+MODEL_FLAGS = {
+    "--batch-size": "integer",
+    "--features": "integer",
+    "--width": "integer",
+    "--seed": "seed",
+    "--learning-rate": "real",
+    "--memory-budget": "budget",
+}
+NUMERIC_FLAGS = {
+    "demo": {
+        **MODEL_FLAGS,
+        "--steps": "integer",
+        "--num-microbatches": "integer",
+        "--repeats": "integer",
+    },
+    "plan": {
+        **MODEL_FLAGS,
+        "--candidates": "integer",
+        "--batch-argnums": "integer",
+        "--key-argnums": "integer",
+    },
+    "bench": {
+        "--batch-size": "integer",
+        "--sequence-batch-size": "integer",
+        "--image-batch-size": "integer",
+        "--num-microbatches": "integer",
+        "--compile-num-microbatches": "integer",
+        "--repeats": "integer",
+    },
+}
+# Flags taking several values: the bad one follows a good one.
+MANY_VALUES = {
+    ("plan", "--candidates"),
+    ("bench", "--num-microbatches"),
+    ("bench", "--compile-num-microbatches"),
+}
+# What the messages say the allowed values are.
+RANGES = (
+    ">= 1",
+    ">= 0",
+    "> 0",
+    "at most 2**31 - 1",
+    "of magnitude from",
+    "at least 1 byte",
+    "write a non-negative number and a unit",
+)
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        (command, flag, value)
+        for command, flags in NUMERIC_FLAGS.items()
+        for flag, kind in flags.items()
+        for value in FLAG_VALUES[kind]
+    ],
+)
+def test_bad_flag_values_are_refused_before_any_work(
+    capsys, commands_run, command, flag, value
+):
+    values = ["2", value] if (command, flag) in MANY_VALUES else [value]
+    code, out, err = run_cli(capsys, command, flag, *values)
+    assert (code, out, commands_run) == (2, "", []), (code, out, err)
+    prefix = f"jaxaccum {command}: error: argument {flag}: "
+    assert err.startswith(prefix) and err.count("\n") == 1, err
+    assert value in err, err
+    assert any(allowed in err for allowed in RANGES), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["bench", "--quick", "--repeats", "0"],
+            "jaxaccum bench: error: argument --repeats: the number of timed "
+            "repeats must be >= 1, got 0.",
+        ),
+        (
+            ["bench", "--quick", "--num-microbatches", "0"],
+            "jaxaccum bench: error: argument --num-microbatches: each number of "
+            "micro-batches must be >= 1, got 0.",
+        ),
+        (
+            ["demo", "--steps", "0"],
+            "jaxaccum demo: error: argument --steps: the number of training steps "
+            "must be >= 1, got 0.",
+        ),
+        (
+            ["demo", "--num-microbatches", "0"],
+            "jaxaccum demo: error: argument --num-microbatches: the number of "
+            "micro-batches must be >= 1, got 0.",
+        ),
+        (
+            ["plan", "--optimizer", "chain"],
+            "jaxaccum plan: error: argument --optimizer: invalid choice: 'chain' "
+            "(choose from 'none', 'adabelief',",
+        ),
+    ],
+    ids=["bench-repeats", "bench-num-microbatches", "demo-steps", "demo-n", "plan"],
+)
+def test_zeros_and_unknown_names_are_refused_not_replaced(
+    capsys, commands_run, argv, line
+):
+    code, _, err = run_cli(capsys, *argv)
+    assert (code, commands_run) == (2, []), err
+    assert err.startswith(line) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (  # the default N, 1 2 4 8 16 32
+            ["bench", "--batch-size", "100"],
+            "jaxaccum bench: error: argument --num-microbatches: 8 16 32 do not "
+            "divide --batch-size 100: micro-batches are whole and equal. Pass "
+            "--num-microbatches values that divide 100, or another --batch-size.",
+        ),
+        (
+            ["bench", "--models", "transformer", "--sequence-batch-size", "96"]
+            + ["--num-microbatches", "4", "64"],
+            "jaxaccum bench: error: argument --num-microbatches: 64 does not divide "
+            "--sequence-batch-size 96",
+        ),
+        (
+            ["bench", "--quick", "--batch-size", "64"]
+            + ["--compile-num-microbatches", "2", "3"],
+            "jaxaccum bench: error: argument --compile-num-microbatches: 3 does not "
+            "divide --batch-size 64",
+        ),
+        (
+            ["demo", *TINY_MODEL, "--num-microbatches", "3"],
+            "jaxaccum demo: error: argument --num-microbatches: 3 does not divide "
+            "--batch-size 256",
+        ),
+        (
+            ["demo", "--batch-size", "1"],
+            "jaxaccum demo: error: argument --batch-size: the batch size must be "
+            ">= 2, got 1. The demo estimates the gradient noise scale",
+        ),
+        (
+            ["plan", *TINY_MODEL, "--candidates", "4", "3"],
+            "jaxaccum plan: error: argument --candidates: 3 does not divide "
+            "--batch-size 256",
+        ),
+        (
+            ["plan", "--has-aux", "--batch-argnums", "1,2"],
+            "jaxaccum plan: error: --has-aux, --batch-argnums: for your own loss, "
+            "named as LOSS",
+        ),
+        (
+            ["plan", "cli_losses:loss_with_aux", *PARAMS],
+            "jaxaccum plan: error: LOSS needs --params and --batch.",
+        ),
+        (
+            ["plan", "cli_losses:loss_with_aux", *PARAMS, *XY_BATCH]
+            + ["--aux-reduction", "sum"],
+            "jaxaccum plan: error: --aux-reduction needs --has-aux",
+        ),
+        (  # a gap in the arguments, however far the number given
+            ["plan", "cli_losses:dropout_loss", *PARAMS, *XY_BATCH]
+            + ["--key-argnums", str(2**31 - 1)],
+            "jaxaccum plan: error: LOSS argument 2 has no value: argument 0 is "
+            "--params, the others, up to 2147483647, must each be in",
+        ),
+    ],
+    ids=[
+        "bench-default-n",
+        "bench-sequence-batch",
+        "bench-compile-n",
+        "demo-n",
+        "demo-batch",
+        "plan-candidates",
+        "plan-loss-flags-without-loss",
+        "plan-no-batch",
+        "plan-aux-reduction",
+        "plan-argument-gap",
+    ],
+)
+def test_flags_that_disagree_are_refused_before_any_work(
+    capsys, commands_run, argv, line
+):
+    code, out, err = run_cli(capsys, *argv)
+    assert (code, out, commands_run) == (2, "", []), err
+    assert err.startswith(line) and err.count("\n") == 1, err
+    assert err.endswith(f"(see jaxaccum {argv[0]} --help)\n"), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], {"repeats": 5, "num_microbatches": [1, 2, 4, 8, 16, 32]}),
+        (["--quick"], {"repeats": 3, "num_microbatches": [8, 16]}),
+        (
+            ["--quick", "--repeats", "1", "--num-microbatches", "4"],
+            {"repeats": 1, "num_microbatches": [4]},
+        ),
+    ],
+    ids=["defaults", "quick-defaults", "given"],
+)
+def test_bench_defaults_fill_only_flags_left_out(commands_run, flags, expected):
+    assert cli.main(["bench", *flags]) == 0
+    ((_, args),) = commands_run
+    assert {name: getattr(args, name) for name in expected} == expected, args
+    assert args.compile_num_microbatches == ([2, 64] if args.quick else [2, 8, 32, 64])
+
+
+@pytest.mark.parametrize("name", _plan_command.optimizers())
+def test_every_optimizer_choice_updates_from_gradients_alone(name):
+    """``--optimizer``'s choices all work in the planned train step, which
+    calls ``update(grads, state, params)`` and nothing more."""
+    optimizer = getattr(optax, name)(1e-3)
+    params = {"w": jnp.arange(1.0, 4.0)}
+    updates, _ = optimizer.update(params, optimizer.init(params), params)
+    chex.assert_tree_all_finite(updates)

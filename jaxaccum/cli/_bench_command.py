@@ -1,6 +1,7 @@
 """The side-by-side benchmark behind ``jaxaccum bench``: results, tables, plots."""
 
 import argparse
+import copy
 import json
 import pathlib
 from typing import Any
@@ -10,6 +11,54 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from jaxaccum._plan import format_bytes
 from jaxaccum.cli import _bench, _models
 from jaxaccum.cli._console import console
+from jaxaccum.cli._flags import check_divides
+
+# The defaults that depend on --quick: (without it, with it).
+QUICK_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "num_microbatches": ([1, 2, 4, 8, 16, 32], [8, 16]),
+    "compile_num_microbatches": ([2, 8, 32, 64], [2, 64]),
+    "repeats": (5, 3),
+}
+# Each model's batch size flag, and the argument it sets.
+_BATCH_SIZE_FLAGS = {
+    "mlp": ("--batch-size", "batch_size"),
+    "transformer": ("--sequence-batch-size", "sequence_batch_size"),
+    "cnn": ("--image-batch-size", "image_batch_size"),
+}
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """Sets the flags left out (None) whose defaults depend on ``--quick``; a
+    value given, 0 included, is kept (and checked), never replaced."""
+    for name, (full, quick) in QUICK_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, copy.copy(quick if args.quick else full))
+
+
+def _selected(args: argparse.Namespace) -> list[str]:
+    """The models measured: the MLP alone with ``--quick``."""
+    return ["mlp"] if args.quick else args.models
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Checks the flags together, before any work: each number of
+    micro-batches divides the batch of every model it splits (the compile-time
+    sweep splits the MLP's).
+
+    Raises:
+      ValueError: naming the flags and the values that do not divide.
+    """
+    for model in _selected(args):
+        flag, name = _BATCH_SIZE_FLAGS[model]
+        check_divides(
+            "--num-microbatches", args.num_microbatches, flag, getattr(args, name)
+        )
+    check_divides(
+        "--compile-num-microbatches",
+        args.compile_num_microbatches,
+        "--batch-size",
+        args.batch_size,
+    )
 
 
 def bench_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -21,7 +70,7 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
         "transformer": (_models.transformer_task(), args.sequence_batch_size),
         "cnn": (_models.cnn_task(), args.image_batch_size),
     }
-    selected = ["mlp"] if args.quick else args.models
+    selected = _selected(args)
     results: dict[str, Any] = {"machine": _bench.machine(), "models": {}}
     with Progress(
         TextColumn("{task.description}"),

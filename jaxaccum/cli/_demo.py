@@ -28,10 +28,40 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 import jaxaccum
-from jaxaccum._options import AccumOptions
+from jaxaccum._options import AccumOptions, check_scalar
 from jaxaccum._plan import format_bytes, measure, train_step
 from jaxaccum.cli import _models
 from jaxaccum.cli._console import console
+from jaxaccum.cli._flags import check_divides
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Checks the flags together, before any work: ``--num-microbatches``
+    divides ``--batch-size``, and the batch has the 2 examples or more that
+    the noise scale's estimate needs (2 micro-batches, see
+    :func:`_noise_scale_microbatches`).
+
+    Raises:
+      ValueError: naming the flags and the values.
+    """
+    try:
+        check_scalar(
+            "the batch size",
+            args.batch_size,
+            integer=True,
+            low=2,
+            hint="The demo estimates the gradient noise scale from 2 or more "
+            "micro-batches of the batch.",
+        )
+    except ValueError as error:
+        raise ValueError(f"argument --batch-size: {error}") from error
+    if args.num_microbatches is not None:
+        check_divides(
+            "--num-microbatches",
+            [args.num_microbatches],
+            "--batch-size",
+            args.batch_size,
+        )
 
 
 def demo_task(args: argparse.Namespace) -> _models.Task:
@@ -98,7 +128,11 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.batch_size}, Adam, memory budget {args.memory_budget}."
     )
     memory_plan = _plan(task, args)
-    num = args.num_microbatches or memory_plan.num_microbatches
+    num = (
+        memory_plan.num_microbatches
+        if args.num_microbatches is None
+        else args.num_microbatches
+    )
     rows = _rows_for(task, args, memory_plan, (1, num))
     _print_plan(memory_plan, rows[1], num, args.batch_size)
     first_batch = task.make_batch(jax.random.key(args.seed), args.batch_size)
@@ -226,7 +260,7 @@ def _step_seconds(task, batch, num: int, args: argparse.Namespace) -> float:
 
 def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
     """B_simple of the trained model: the averaged estimates of 16 windows."""
-    measured_num = max(num, 2)  # one micro-batch gives one batch size: no estimate
+    measured_num = _noise_scale_microbatches(num, args.batch_size)
     step = jax.jit(jaxaccum.value_and_grad(task.loss, measured_num, report_stats=True))
     ema = jaxaccum.NoiseScaleEMA(decay=0.9)
     state = ema.init()
@@ -262,6 +296,22 @@ def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
         "follows it while training)."
     )
     return noise_scale
+
+
+def _noise_scale_microbatches(num: int, batch_size: int) -> int:
+    """The micro-batches the noise scale is estimated over: ``num``, or with
+    one (whose one batch size gives no estimate) the fewest above 1 that
+    divide ``batch_size``, which must be at least 2.
+
+    Examples:
+      >>> [_noise_scale_microbatches(1, size) for size in (256, 255, 7)]
+      [2, 3, 7]
+      >>> _noise_scale_microbatches(4, 256)
+      4
+    """
+    if num > 1:
+        return num
+    return next(n for n in range(2, batch_size + 1) if batch_size % n == 0)
 
 
 def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.StepCost:

@@ -30,6 +30,7 @@ Errors print one line; ``--debug`` shows the traceback. In Python, call
 
 import argparse
 import importlib
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -40,8 +41,9 @@ import jax.numpy as jnp
 import optax
 
 import jaxaccum
-from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS
+from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS, check_scalar
 from jaxaccum.cli._console import console
+from jaxaccum.cli._flags import check_divides, count
 
 _LEAF = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\w+)\[([\d\s,]*)\]\s*(?:,|$)")
 _ARRAY = re.compile(r"\s*(\w+)\[([\d\s,]*)\]\s*")
@@ -126,22 +128,47 @@ def argnums(text: str) -> tuple[int, ...]:
             "expected distinct argument numbers >= 1 separated by commas, e.g. "
             f"1,2 (argument 0 is the params); got {text!r}."
         )
+    try:
+        for num in nums:
+            check_scalar("an argument number", num, integer=True, low=1)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
     return nums
 
 
+# optax's update of these needs the loss's value and function (value_fn=...),
+# which a step of gradients alone does not give it.
+_NEEDS_LOSS_FUNCTION = ("lbfgs",)
+
+
+def optimizers() -> tuple[str, ...]:
+    """The ``--optimizer`` choices: optax's optimizers, the functions taking
+    the learning rate first, less its ``scale_by_*`` building blocks and the
+    optimizers that need the loss function."""
+    names = []
+    for name in dir(optax):
+        function = getattr(optax, name)
+        if (
+            not inspect.isfunction(function)
+            or name.startswith(("_", "scale_by_"))
+            or name in _NEEDS_LOSS_FUNCTION
+        ):
+            continue
+        parameters = list(inspect.signature(function).parameters)
+        if parameters[:1] == ["learning_rate"]:
+            names.append(name)
+    return tuple(names)
+
+
 def _optimizer(name: str, learning_rate: float) -> optax.GradientTransformation | None:
-    if name == "none":
-        return None
-    if not callable(getattr(optax, name, None)):
-        raise ValueError(f"optax has no optimizer {name!r} (--optimizer).")
-    return getattr(optax, name)(learning_rate)
+    """``optax.<name>(learning_rate)``; None for ``none`` (a choice of
+    :func:`optimizers`, checked when parsed)."""
+    return None if name == "none" else getattr(optax, name)(learning_rate)
 
 
 def loss_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keywords of :func:`jaxaccum.value_and_grad` the flags set, as the
     training step will pass them (defaults left out)."""
-    if args.aux_reduction is not None and not args.has_aux:
-        raise ValueError("--aux-reduction needs --has-aux: it reduces the aux.")
     options: dict[str, Any] = {
         "has_aux": args.has_aux,
         "reduction": args.reduction,
@@ -157,9 +184,59 @@ def loss_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def loss_arguments(args: argparse.Namespace, options: dict[str, Any]) -> tuple:
     """The positional arguments of the user's loss: the params (argument 0),
-    the batch arguments and the PRNG keys, as shapes."""
-    batch_nums = options.get("batch_argnums", (1,))
-    key_nums = options.get("key_argnums", ())
+    the batch arguments and the PRNG keys, as shapes (numbered as
+    :func:`check_flags` checked)."""
+    values = {0: _value(args.params, "--params")}
+    for num, spec in zip(options.get("batch_argnums", (1,)), args.batch, strict=True):
+        values[num] = parse_batch(spec)
+    for num in options.get("key_argnums", ()):
+        values[num] = jax.random.key(0)  # a key's shape is all a plan needs
+    return tuple(values[num] for num in range(len(values)))
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Checks the flags together, before anything is imported or compiled:
+    the demo MLP's (without LOSS) or the user's loss's.
+
+    Raises:
+      ValueError: naming the flags.
+    """
+    if args.loss is None:
+        _check_demo_flags(args)
+    else:
+        _check_loss_flags(args)
+
+
+def _check_demo_flags(args: argparse.Namespace) -> None:
+    given = [
+        flag
+        for flag, value in (
+            ("--params", args.params),
+            ("--batch", args.batch),
+            ("--has-aux", args.has_aux),
+            ("--reduction", args.reduction),
+            ("--aux-reduction", args.aux_reduction),
+            ("--batch-argnums", args.batch_argnums),
+            ("--key-argnums", args.key_argnums),
+        )
+        if value not in (None, False)
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: for your own loss, named as LOSS (module:function);"
+            " without LOSS, plan plans the demo MLP."
+        )
+    if args.candidates is not None:
+        check_divides("--candidates", args.candidates, "--batch-size", args.batch_size)
+
+
+def _check_loss_flags(args: argparse.Namespace) -> None:
+    if args.params is None or args.batch is None:
+        raise ValueError("LOSS needs --params and --batch.")
+    if args.aux_reduction is not None and not args.has_aux:
+        raise ValueError("--aux-reduction needs --has-aux: it reduces the aux.")
+    batch_nums = args.batch_argnums or (1,)
+    key_nums = args.key_argnums or ()
     if len(args.batch) != len(batch_nums):
         raise ValueError(
             f"LOSS has {len(batch_nums)} batch argument(s) (--batch-argnums "
@@ -172,18 +249,15 @@ def loss_arguments(args: argparse.Namespace, options: dict[str, Any]) -> tuple:
         raise ValueError(
             f"argument(s) {both} are in both --batch-argnums and --key-argnums."
         )
-    values = {0: _value(args.params, "--params")}
-    for num, spec in zip(batch_nums, args.batch, strict=True):
-        values[num] = parse_batch(spec)
-    for num in key_nums:
-        values[num] = jax.random.key(0)  # a key's shape is all a plan needs
-    missing = [num for num in range(max(values) + 1) if num not in values]
+    numbered = {0, *batch_nums, *key_nums}
+    # Not range(max(numbered)): a number may be as large as 2**31 - 1.
+    missing = set(range(len(numbered))) - numbered
     if missing:
         raise ValueError(
-            f"LOSS argument(s) {missing} have no value: argument 0 is --params, "
-            "the others must be in --batch-argnums or --key-argnums."
+            f"LOSS argument {min(missing)} has no value: argument 0 is --params, "
+            f"the others, up to {max(numbered)}, must each be in --batch-argnums "
+            "or --key-argnums."
         )
-    return tuple(values[num] for num in range(len(values)))
 
 
 def _describe(tree: Any) -> str:
@@ -236,8 +310,6 @@ class _Step(NamedTuple):
 
 
 def _user_step(args: argparse.Namespace) -> _Step:
-    if args.params is None or args.batch is None:
-        raise ValueError("LOSS needs --params and --batch.")
     loss = resolve(args.loss)
     if not callable(loss):
         raise ValueError(
@@ -249,24 +321,6 @@ def _user_step(args: argparse.Namespace) -> _Step:
 
 
 def _demo_step(args: argparse.Namespace) -> _Step:
-    given = [
-        flag
-        for flag, value in (
-            ("--params", args.params),
-            ("--batch", args.batch),
-            ("--has-aux", args.has_aux),
-            ("--reduction", args.reduction),
-            ("--aux-reduction", args.aux_reduction),
-            ("--batch-argnums", args.batch_argnums),
-            ("--key-argnums", args.key_argnums),
-        )
-        if value not in (None, False)
-    ]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)}: for your own loss, named as LOSS (module:function);"
-            " without LOSS, plan plans the demo MLP."
-        )
     from jaxaccum.cli._demo import batch_shapes, demo_task
 
     task = demo_task(args)
@@ -362,8 +416,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--optimizer",
+        choices=("none", *optimizers()),
         default="adam",
-        help="an optax optimizer taking a learning rate, or none (default adam)",
+        metavar="NAME",
+        help="an optax optimizer, built with --learning-rate, or none (gradients "
+        "only): %(choices)s (default adam)",
     )
-    parser.add_argument("--candidates", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--candidates",
+        type=count("each candidate number of micro-batches"),
+        nargs="+",
+        default=None,
+        help="the numbers of micro-batches to consider, each dividing the batch "
+        "size (default every divisor)",
+    )
     parser.add_argument("--remat", action="store_true", help="jax.checkpoint the loss")
