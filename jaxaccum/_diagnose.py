@@ -13,7 +13,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from jaxaccum import _compare, _split
-from jaxaccum._options import AccumOptions
+from jaxaccum._options import SHARD_OPTIONS, AccumOptions
 from jaxaccum._value_and_grad import make_accumulated
 
 # A cause is named when its model of the error leaves a residual under this
@@ -203,7 +203,9 @@ def diagnose(
         reduction='mean' averages the N micro-batch sums. Use reduction='sum', or
         return a mean (jnp.mean rather than jnp.sum).
     """
-    options = AccumOptions(num_microbatches, **value_and_grad_kwargs)
+    options = AccumOptions.create(
+        "diagnose", num_microbatches, value_and_grad_kwargs, refused=SHARD_OPTIONS
+    )
     accumulated, reference = _compare.accumulated_and_reference(fun, args, options)
     errors = tuple(
         LeafError(*error)

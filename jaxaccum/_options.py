@@ -12,7 +12,7 @@ import inspect
 import math
 import numbers
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -352,15 +352,103 @@ class AccumOptions:
         )
 
     @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> "AccumOptions":
-        """Options from a front end's ``locals()``: its arguments that are fields.
+    def create(
+        cls,
+        where: str,
+        num_microbatches: int | None,
+        options: Mapping[str, Any],
+        *,
+        fixed: Mapping[str, Any] | None = None,
+        refused: Mapping[str, str] | None = None,
+    ) -> "AccumOptions":
+        """The options of a call of the front end ``where``: the one way every
+        front end builds them.
 
-        The front ends' signatures name the fields again (that is what users
-        read and type checkers check); this keeps them from being listed a
-        third time in the call that builds the options.
+        Args:
+          where: the front end's name, for messages (``"value_and_grad"``).
+          num_microbatches: the call's ``N`` (or None, with
+            ``microbatch_size`` among ``options``).
+          options: the caller's keyword options, names of fields.
+          fixed: fields the front end sets itself (its argument roles).
+          refused: fields it does not take, each with why and what to use.
+
+        Raises:
+          TypeError: naming the keyword, for one that is not a field (listing
+            the front end's options), one in ``fixed`` or in ``refused``, or
+            a field set per call (``data_axes``, ``param_specs``).
         """
-        names = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{name: arguments[name] for name in names if name in arguments})
+        fixed = dict(fixed or {})
+        cls.check_keywords(where, options, fixed=fixed, refused=refused)
+        return cls(num_microbatches, **options, **fixed)
+
+    @classmethod
+    def check_keywords(
+        cls,
+        where: str,
+        options: Collection[str],
+        *,
+        fixed: Collection[str] = (),
+        refused: Mapping[str, str] | None = None,
+    ) -> None:
+        """Raises :meth:`create`'s errors for the keyword names ``options``."""
+        refused = refused or {}
+        for name in options:
+            if name in refused:
+                raise TypeError(f"{where} does not take {name}: {refused[name]}")
+            if name in fixed:
+                raise TypeError(
+                    f"{where} sets {name} itself: pass the arguments in the "
+                    "layout its docstring gives, or use jaxaccum.value_and_grad "
+                    "for another layout."
+                )
+            if name not in cls.option_names():
+                accepted = sorted(cls.option_names() - set(fixed) - set(refused))
+                raise TypeError(
+                    f"{where} got an unknown keyword argument {name!r}; its "
+                    f"options are: {', '.join(accepted)}."
+                )
+
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """The fields a caller may set (every field but ``num_microbatches``,
+        which front ends take positionally, and those set per call)."""
+        per_call = {"num_microbatches", "data_axes", "param_specs"}
+        return frozenset(field.name for field in dataclasses.fields(cls)) - per_call
+
+
+# Options of shard_value_and_grad alone: how parameters sharded over the data
+# axes are gathered and gradients reduced over them.
+SHARD_OPTIONS: dict[str, str] = {
+    name: "it is an option of jaxaccum.shard_value_and_grad (how parameters "
+    "sharded over the data axes are gathered and gradients reduced)."
+    for name in ("param_gather", "grad_reduce", "gather_dtype")
+}
+
+
+def options_signature(
+    front_end: Callable[..., Any], exclude: Collection[str] = ()
+) -> inspect.Signature:
+    """``front_end``'s signature with its ``**options`` written out: each
+    option a keyword-only parameter with the field's type and default (for
+    ``help``, IDEs and ``inspect``), all but ``exclude``."""
+    own = inspect.signature(front_end)
+    leading = [
+        parameter
+        for parameter in own.parameters.values()
+        if parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    names = AccumOptions.option_names() - set(exclude) - {p.name for p in leading}
+    options = [
+        inspect.Parameter(
+            field.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=field.default,
+            annotation=field.type,
+        )
+        for field in dataclasses.fields(AccumOptions)
+        if field.name in names
+    ]
+    return own.replace(parameters=[*leading, *options])
 
 
 def check_accepts_example_mask(fun: Callable[..., Any]) -> None:

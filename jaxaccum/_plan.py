@@ -43,7 +43,7 @@ import optax
 
 from jaxaccum import _split
 from jaxaccum._hlo import window_bytes
-from jaxaccum._options import AccumOptions, argnums_tuple, check_count
+from jaxaccum._options import SHARD_OPTIONS, AccumOptions, argnums_tuple, check_count
 from jaxaccum._shard import shard_value_and_grad
 from jaxaccum._value_and_grad import make_accumulated
 
@@ -277,7 +277,9 @@ def plan(
         )
     budget = parse_memory_budget(memory_budget)
     # Validates argnums, batch_argnums and the rest once, before compiling.
-    options = AccumOptions(1, **value_and_grad_kwargs)
+    options = AccumOptions.create(
+        "plan", 1, value_and_grad_kwargs, refused=SHARD_OPTIONS
+    )
     batch_nums = options.batch_nums
     if len(args) <= max(batch_nums):
         raise TypeError(

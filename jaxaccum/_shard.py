@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
-from jaxaccum._options import AccumOptions, ArgNums, Reduction, ShardMode
+from jaxaccum._options import AccumOptions, options_signature
 from jaxaccum._value_and_grad import check_arg_count, make_accumulated
 
 DataAxis = str | Sequence[str]
@@ -105,27 +105,25 @@ def shard_batch(
     )
 
 
+# value_and_grad's options that a window under shard_map does not take.
+_NOT_SHARDED = {
+    "state_argnums": "carried state such as BatchNorm statistics would be per "
+    "device; use jaxaccum.value_and_grad, whose micro-batch statistics span all "
+    "devices.",
+    "report_finite": "pass report_stats=True: its WindowStats holds the finite "
+    "flags (microbatch_finite, finite).",
+    "masked": "use jaxaccum.value_and_grad(..., masked=True) on the sharded "
+    "batch under jit.",
+}
+
+
 def shard_value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int | None = None,
     *,
     mesh: Mesh | AbstractMesh | None = None,
     data_axis: DataAxis = "data",
-    microbatch_size: int | None = None,
-    argnums: ArgNums = 0,
-    batch_argnums: ArgNums = 1,
-    key_argnums: ArgNums = (),
-    has_aux: bool = False,
-    reduction: Reduction = "mean",
-    aux_reduction: Any = "mean",
-    accum_dtype: Any = jnp.float32,
-    pad: bool = False,
-    unroll: int | bool = 1,
-    remat: bool | Callable[..., Any] = False,
-    report_stats: bool = False,
-    param_gather: ShardMode = "auto",
-    grad_reduce: ShardMode = "auto",
-    gather_dtype: Any = None,
+    **keywords: Any,
 ) -> Callable[..., Any]:
     """:func:`jaxaccum.value_and_grad` with one gradient all-reduce per window.
 
@@ -218,6 +216,9 @@ def shard_value_and_grad(
         devices).
       mesh: the device mesh; by default the one set with ``jax.set_mesh``.
       data_axis: the mesh axis (or axes) the batch is sharded over on axis 0.
+      **keywords: the keyword options below.
+
+    Keyword Args:
       microbatch_size: examples per micro-batch, over all devices; instead of
         ``num_microbatches``. Must be a multiple of ``D``.
       argnums: as for :func:`jaxaccum.value_and_grad`.
@@ -267,8 +268,12 @@ def shard_value_and_grad(
     # Built once here so that bad options fail at construction, as they do for
     # value_and_grad; the per-device micro-batch size and the parameters'
     # shardings are known only per call.
-    options = AccumOptions.from_arguments(
-        {**locals(), "data_axes": _data_axes(data_axis)}
+    options = AccumOptions.create(
+        "shard_value_and_grad",
+        num_microbatches,
+        keywords,
+        fixed={"data_axes": _data_axes(data_axis)},
+        refused=_NOT_SHARDED,
     )
     mapped_nums = tuple(
         sorted(options.diff_nums + options.batch_nums + options.key_nums)
@@ -313,6 +318,11 @@ def shard_value_and_grad(
         return jax.jit(step)(mapped, frozen.arrays)
 
     return accumulated
+
+
+shard_value_and_grad.__signature__ = options_signature(  # type: ignore[attr-defined]
+    shard_value_and_grad, exclude=_NOT_SHARDED
+)
 
 
 class _Frozen(NamedTuple):

@@ -14,11 +14,11 @@ from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._noise_scale import window_stats
 from jaxaccum._options import (
+    SHARD_OPTIONS,
     AccumOptions,
-    ArgNums,
-    Reduction,
     check_accepts_example_mask,
     check_scalar,
+    options_signature,
 )
 from jaxaccum._window import (
     FiniteReport,
@@ -36,22 +36,7 @@ _R = TypeVar("_R")
 def value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int | None = None,
-    *,
-    microbatch_size: int | None = None,
-    argnums: ArgNums = 0,
-    batch_argnums: ArgNums = 1,
-    key_argnums: ArgNums = (),
-    state_argnums: ArgNums = (),
-    has_aux: bool = False,
-    reduction: Reduction = "mean",
-    aux_reduction: Any = "mean",
-    accum_dtype: Any = jnp.float32,
-    pad: bool = False,
-    unroll: int | bool = 1,
-    remat: bool | Callable[..., Any] = False,
-    report_finite: bool = False,
-    report_stats: bool = False,
-    masked: bool = False,
+    **options: Any,
 ) -> Callable[..., Any]:
     """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
 
@@ -84,6 +69,9 @@ def value_and_grad(
       num_microbatches: ``N``, the number of micro-batches; must divide the
         batch size (unless ``pad``). Exactly one of ``num_microbatches`` and
         ``microbatch_size``.
+      **options: the keyword options below.
+
+    Keyword Args:
       microbatch_size: examples per micro-batch; must divide the batch size
         (unless ``pad``).
       argnums: positional argument(s) to differentiate, as in
@@ -174,7 +162,17 @@ def value_and_grad(
       >>> optax.apply_updates(params, updates)
       Array([0.25, 0.25, 0.25], dtype=float32)
     """
-    return make_accumulated(fun, AccumOptions.from_arguments(locals()))
+    return make_accumulated(
+        fun,
+        AccumOptions.create(
+            "value_and_grad", num_microbatches, options, refused=SHARD_OPTIONS
+        ),
+    )
+
+
+value_and_grad.__signature__ = options_signature(  # type: ignore[attr-defined]
+    value_and_grad, exclude=SHARD_OPTIONS
+)
 
 
 def signature_of(
@@ -192,7 +190,7 @@ def signature_of(
 
 @signature_of(value_and_grad)
 def grad(
-    fun: Callable[..., Any], num_microbatches: int | None = None, **keywords: Any
+    fun: Callable[..., Any], num_microbatches: int | None = None, **options: Any
 ) -> Callable[..., Any]:
     """Like :func:`value_and_grad` but returns only the gradient.
 
@@ -221,12 +219,10 @@ def grad(
       >>> jaxaccum.grad(loss, num_microbatches=2)(jnp.ones(2), jnp.ones((4, 2)))
       Array([1., 1.], dtype=float32)
     """
-    # Binding to value_and_grad's signature rejects what it would reject.
-    arguments = inspect.signature(value_and_grad).bind(
-        fun, num_microbatches, **keywords
+    accum_options = AccumOptions.create(
+        "grad", num_microbatches, options, refused=SHARD_OPTIONS
     )
-    options = AccumOptions.from_arguments(arguments.arguments)
-    return grads_only(make_accumulated(fun, options), options)
+    return grads_only(make_accumulated(fun, accum_options), accum_options)
 
 
 def grads_only(

@@ -27,8 +27,6 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import jax.numpy as jnp
-
 try:
     import equinox as eqx
 except ImportError as error:  # pragma: no cover - exercised in a core-only venv
@@ -38,10 +36,10 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
     ) from error
 
 from jaxaccum._options import (
+    SHARD_OPTIONS,
     AccumOptions,
-    ArgNums,
-    Reduction,
     check_accepts_example_mask,
+    options_signature,
 )
 from jaxaccum._value_and_grad import (
     add_active_microbatches_parameter,
@@ -74,21 +72,7 @@ def _on_arrays(fun: Callable[..., Any], model: Any) -> tuple[Callable, Any]:
 def filter_value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int | None = None,
-    *,
-    microbatch_size: int | None = None,
-    batch_argnums: ArgNums = 1,
-    key_argnums: ArgNums = (),
-    state_argnums: ArgNums = (),
-    has_aux: bool = False,
-    reduction: Reduction = "mean",
-    aux_reduction: Any = "mean",
-    accum_dtype: Any = jnp.float32,
-    pad: bool = False,
-    unroll: int | bool = 1,
-    remat: bool | Callable[..., Any] = False,
-    report_finite: bool = False,
-    report_stats: bool = False,
-    masked: bool = False,
+    **options: Any,
 ) -> Callable[..., Any]:
     """``eqx.filter_value_and_grad`` over micro-batches.
 
@@ -104,6 +88,9 @@ def filter_value_and_grad(
         ``reduction="weighted"``; with ``state_argnums``, that and the new
         state).
       num_microbatches: ``N``; or ``microbatch_size``.
+      **options: the keyword options below.
+
+    Keyword Args:
       microbatch_size: examples per micro-batch.
       batch_argnums: positional argument(s) of ``fun`` holding the batch.
       key_argnums: positional argument(s) holding PRNG keys, split per
@@ -146,23 +133,35 @@ def filter_value_and_grad(
       >>> grads.layers[0].weight.shape, grads.activation
       ((8, 3), None)
     """
-    options = AccumOptions.from_arguments({**locals(), "argnums": 0})
-    if options.pad:
+    accum_options = _options("filter_value_and_grad", num_microbatches, options)
+    if accum_options.pad:
         check_accepts_example_mask(fun)
 
     @functools.wraps(fun)
     def accumulated(model: Any, *args: Any, **kwargs: Any) -> Any:
         on_arrays, arrays = _on_arrays(fun, model)
-        return make_accumulated(on_arrays, options)(arrays, *args, **kwargs)
+        return make_accumulated(on_arrays, accum_options)(arrays, *args, **kwargs)
 
-    if masked:
+    if accum_options.masked:
         add_active_microbatches_parameter(accumulated, fun)
     return accumulated
 
 
+def _options(where: str, num_microbatches: int | None, options: dict) -> AccumOptions:
+    """The options of an Equinox front end: it differentiates the model."""
+    return AccumOptions.create(
+        where, num_microbatches, options, fixed={"argnums": 0}, refused=SHARD_OPTIONS
+    )
+
+
+filter_value_and_grad.__signature__ = options_signature(  # type: ignore[attr-defined]
+    filter_value_and_grad, exclude=(*SHARD_OPTIONS, "argnums")
+)
+
+
 @signature_of(filter_value_and_grad)
 def filter_grad(
-    fun: Callable[..., Any], num_microbatches: int | None = None, **keywords: Any
+    fun: Callable[..., Any], num_microbatches: int | None = None, **options: Any
 ) -> Callable[..., Any]:
     """``eqx.filter_grad`` over micro-batches: :func:`filter_value_and_grad`'s
     gradients alone (``(grads, aux)`` with ``has_aux``, as ``eqx.filter_grad``
@@ -187,9 +186,9 @@ def filter_grad(
       >>> grads.weight
       Array([[1., 1., 1.]], dtype=float32)
     """
-    value_and_grad_fun = filter_value_and_grad(fun, num_microbatches, **keywords)
-    options = AccumOptions(num_microbatches, argnums=0, **keywords)
-    return grads_only(value_and_grad_fun, options)
+    accum_options = _options("filter_grad", num_microbatches, options)
+    value_and_grad_fun = filter_value_and_grad(fun, num_microbatches, **options)
+    return grads_only(value_and_grad_fun, accum_options)
 
 
 def filter_assert_grads_match_full_batch(
@@ -231,6 +230,13 @@ def filter_assert_grads_match_full_batch(
       ...     loss, model, x, num_microbatches=4)
     """
     from jaxaccum.testing import assert_grads_match_full_batch
+
+    AccumOptions.check_keywords(
+        "filter_assert_grads_match_full_batch",
+        value_and_grad_kwargs,
+        fixed=("argnums",),
+        refused=SHARD_OPTIONS,
+    )
 
     on_arrays, arrays = _on_arrays(fun, model)
     assert_grads_match_full_batch(
@@ -282,6 +288,13 @@ def filter_diagnose(
       False
     """
     from jaxaccum.testing import diagnose
+
+    AccumOptions.check_keywords(
+        "filter_diagnose",
+        value_and_grad_kwargs,
+        fixed=("argnums",),
+        refused=SHARD_OPTIONS,
+    )
 
     on_arrays, arrays = _on_arrays(fun, model)
     return diagnose(

@@ -38,7 +38,11 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
         '"jaxaccum[flax]"'
     ) from error
 
-from jaxaccum._options import AccumOptions, check_accepts_example_mask
+from jaxaccum._options import (
+    SHARD_OPTIONS,
+    AccumOptions,
+    check_accepts_example_mask,
+)
 from jaxaccum._value_and_grad import make_accumulated
 
 if TYPE_CHECKING:
@@ -53,17 +57,18 @@ __all__ = [
 ]
 
 _ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
+_NNX_KEYS = (
+    "an NNX model draws its randomness from its own nnx.Rngs, carried through "
+    "the micro-batches with the model's state."
+)
 
 
 def _check_kwargs(helper: str, value_and_grad_kwargs: dict) -> None:
-    taken = sorted(set(_ROLES) & set(value_and_grad_kwargs))
-    if taken:
-        raise TypeError(
-            f"{helper} sets {', '.join(taken)} itself: it differentiates the "
-            "parameters, splits the batch (the second argument) and carries the "
-            "model's state. Pass other arguments unchanged after the batch; use "
-            "jaxaccum.value_and_grad for other layouts."
-        )
+    """The Flax front ends differentiate the parameters, split the batch (the
+    second argument) and carry the model's state: they set those roles."""
+    AccumOptions.check_keywords(
+        helper, value_and_grad_kwargs, fixed=_ROLES, refused=SHARD_OPTIONS
+    )
 
 
 def _collection_names(mutable: str | Sequence[str] | bool) -> tuple[str, ...]:
@@ -77,6 +82,28 @@ def _collection_names(mutable: str | Sequence[str] | bool) -> tuple[str, ...]:
             f"mutable='batch_stats' or ['batch_stats'], got {mutable!r}."
         )
     return tuple(mutable)
+
+
+def _linen_options(
+    where: str,
+    num_microbatches: int | None,
+    options: dict,
+    collections: tuple[str, ...],
+) -> AccumOptions:
+    """A Linen front end's options: ``fun(variables, batch, ...)`` split as
+    params (differentiated), state (the mutable collections), batch, rngs."""
+    return AccumOptions.create(
+        where,
+        num_microbatches,
+        options,
+        fixed={
+            "argnums": 0,
+            "batch_argnums": 2,
+            "key_argnums": 3,
+            "state_argnums": 1 if collections else (),
+        },
+        refused=SHARD_OPTIONS,
+    )
 
 
 def linen_value_and_grad(
@@ -141,16 +168,12 @@ def linen_value_and_grad(
       >>> jax.tree.map(jnp.shape, updates)
       {'batch_stats': {'layers_1': {'mean': (4,), 'var': (4,)}}}
     """
-    _check_kwargs("linen_value_and_grad", value_and_grad_kwargs)
     collections = _collection_names(mutable)
-    options = AccumOptions(
+    options = _linen_options(
+        "linen_value_and_grad",
         num_microbatches,
-        argnums=0,
-        batch_argnums=2,
-        key_argnums=3,
-        state_argnums=1 if collections else (),
-        has_aux=has_aux,
-        **value_and_grad_kwargs,
+        {**value_and_grad_kwargs, "has_aux": has_aux},
+        collections,
     )
     if options.pad:
         check_accepts_example_mask(fun)
@@ -349,7 +372,12 @@ def linen_train_step(
       1
     """
     collections = _collection_names(mutable)
-    reports = AccumOptions(num_microbatches, **value_and_grad_kwargs).reports
+    reports = _linen_options(
+        "linen_train_step",
+        num_microbatches,
+        {**value_and_grad_kwargs, "has_aux": has_aux},
+        collections,
+    ).reports
     accumulate = linen_value_and_grad(
         fun,
         num_microbatches,
@@ -451,14 +479,12 @@ def nnx_value_and_grad(
       >>> model.layers[1].mean[...].shape
       (4,)
     """
-    _check_kwargs("nnx_value_and_grad", value_and_grad_kwargs)
-    options = AccumOptions(
+    options = AccumOptions.create(
+        "nnx_value_and_grad",
         num_microbatches,
-        argnums=0,
-        batch_argnums=2,
-        state_argnums=1,
-        has_aux=has_aux,
-        **value_and_grad_kwargs,
+        {**value_and_grad_kwargs, "has_aux": has_aux},
+        fixed={"argnums": 0, "batch_argnums": 2, "state_argnums": 1},
+        refused={**SHARD_OPTIONS, "key_argnums": _NNX_KEYS},
     )
     if options.pad:
         check_accepts_example_mask(fun)

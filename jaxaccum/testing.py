@@ -21,7 +21,7 @@ from jaxaccum._hlo import (
     find_collectives,
     window_bytes,
 )
-from jaxaccum._options import AccumOptions
+from jaxaccum._options import SHARD_OPTIONS, AccumOptions
 
 __all__ = [
     "COLLECTIVES",
@@ -82,7 +82,12 @@ def assert_grads_match_full_batch(
       >>> jaxaccum.testing.assert_grads_match_full_batch(
       ...     loss, jnp.ones(3), jnp.ones((8, 3)), num_microbatches=4)
     """
-    options = AccumOptions(num_microbatches, **value_and_grad_kwargs)
+    options = AccumOptions.create(
+        "assert_grads_match_full_batch",
+        num_microbatches,
+        value_and_grad_kwargs,
+        refused=SHARD_OPTIONS,
+    )
     accumulated, reference = accumulated_and_reference(fun, args, options)
     try:
         chex.assert_trees_all_close(accumulated, reference, rtol=rtol, atol=atol)

@@ -154,6 +154,128 @@ def test_options_are_one_frozen_object_whose_allowed_values_are_derived():
         _options.AccumOptions(4, reduction="median")  # type: ignore[arg-type]
 
 
+def _loss(w, x):
+    return jnp.mean(x @ w)
+
+
+# Every front end that takes accumulation options, called with one option
+# spelled as `keywords`: (its name in messages, the call).
+def _front_end_calls(keywords: dict) -> dict:
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+
+    import jaxaccum.equinox
+    import jaxaccum.flax
+
+    w, x = jnp.ones(2), jnp.ones((4, 2))
+    dense = nn.Dense(1)
+    variables = dense.init(jax.random.key(0), x)
+
+    def linen_loss(variables, batch):
+        return jnp.mean(dense.apply(variables, batch))
+
+    linear = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+
+    def eqx_loss(model, batch):
+        return jnp.mean(jax.vmap(model)(batch))
+
+    nnx_model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def nnx_loss(model, batch):
+        return jnp.mean(model(batch))
+
+    mesh = jax.make_mesh((1,), ("data",))
+    return {
+        "value_and_grad": lambda: jaxaccum.value_and_grad(_loss, 2, **keywords),
+        "grad": lambda: jaxaccum.grad(_loss, 2, **keywords),
+        "shard_value_and_grad": lambda: jaxaccum.shard_value_and_grad(
+            _loss, 2, mesh=mesh, **keywords
+        ),
+        "filter_value_and_grad": lambda: jaxaccum.equinox.filter_value_and_grad(
+            eqx_loss, 2, **keywords
+        ),
+        "filter_grad": lambda: jaxaccum.equinox.filter_grad(eqx_loss, 2, **keywords),
+        "linen_value_and_grad": lambda: jaxaccum.flax.linen_value_and_grad(
+            linen_loss, 2, **keywords
+        ),
+        "linen_train_step": lambda: jaxaccum.flax.linen_train_step(
+            linen_loss, 2, **keywords
+        ),
+        "nnx_value_and_grad": lambda: jaxaccum.flax.nnx_value_and_grad(
+            nnx_loss, 2, **keywords
+        ),
+        "assert_grads_match_full_batch": lambda: (
+            jaxaccum.testing.assert_grads_match_full_batch(
+                _loss, w, x, num_microbatches=2, **keywords
+            )
+        ),
+        "diagnose": lambda: jaxaccum.testing.diagnose(
+            _loss, w, x, num_microbatches=2, **keywords
+        ),
+        "plan": lambda: jaxaccum.plan(_loss, w, x, memory_budget="1GiB", **keywords),
+        "linen_diagnose": lambda: jaxaccum.flax.linen_diagnose(
+            linen_loss, variables, x, num_microbatches=2, **keywords
+        ),
+        "nnx_diagnose": lambda: jaxaccum.flax.nnx_diagnose(
+            nnx_loss, nnx_model, x, num_microbatches=2, **keywords
+        ),
+        "filter_diagnose": lambda: jaxaccum.equinox.filter_diagnose(
+            eqx_loss, linear, x, num_microbatches=2, **keywords
+        ),
+    }
+
+
+def test_every_front_end_refuses_an_unknown_option_by_name():
+    """Options enter one way (AccumOptions.create): a misspelled one raises in
+    every front end, naming it and the front end, before any work."""
+    for name, call in _front_end_calls({"rduction": "sum"}).items():
+        wanted = f"{name} got an unknown keyword argument 'rduction'"
+        with pytest.raises(TypeError, match=wanted):
+            call()
+    for name, call in _front_end_calls({"param_specs": ()}).items():
+        with pytest.raises(TypeError, match=f"{name} got .* 'param_specs'"):
+            call()
+
+
+@pytest.mark.parametrize(
+    ("front_end", "exclude"),
+    [
+        ("value_and_grad", _options.SHARD_OPTIONS),
+        ("grad", _options.SHARD_OPTIONS),
+        ("shard_value_and_grad", ("state_argnums", "report_finite", "masked")),
+        ("equinox.filter_value_and_grad", (*_options.SHARD_OPTIONS, "argnums")),
+        ("equinox.filter_grad", (*_options.SHARD_OPTIONS, "argnums")),
+    ],
+)
+def test_front_end_keywords_are_the_options(front_end, exclude):
+    """The keywords a front end shows (``help``, IDEs) are the options'
+    fields with their defaults, and its docstring documents each one."""
+    import jaxaccum.equinox
+
+    function = jaxaccum
+    for part in front_end.split("."):
+        function = getattr(function, part)
+    parameters = inspect.signature(function).parameters
+    keyword_only = {
+        name: parameter.default
+        for name, parameter in parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        and name not in ("mesh", "data_axis")
+    }
+    defaults = {
+        field.name: field.default
+        for field in _options.dataclasses.fields(_options.AccumOptions)
+    }
+    assert set(keyword_only) == _options.AccumOptions.option_names() - set(exclude)
+    for name, default in keyword_only.items():
+        assert default == defaults[name], name
+    documented = inspect.getdoc(function) or ""
+    if "Every other keyword is" not in documented:  # grad's point to their twin's
+        for name in keyword_only:
+            assert f"\n  {name}: " in documented, f"{front_end} documents no {name}"
+
+
 def test_microbatches_are_named_in_the_compiled_program():
     step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 4))
     hlo = step.lower(jnp.ones(3), jnp.ones((8, 3))).compile().as_text()
