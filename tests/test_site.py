@@ -9,7 +9,9 @@ it with the notebooks executed. Then:
   Markdown pages' links, not the anchors of rendered notebooks or docstrings);
 - searching any public name finds its API entry: the search index is
   tokenized as the browser's lunr does, with mkdocs.yml's separator, and the
-  name's tokens are all in the entry's section.
+  name's tokens are all in the entry's section;
+- every measured figure reads as its value: no page shows a ``{{ }}`` macro
+  or the text of a figure's marker (``docs/_figures.py``).
 """
 
 import functools
@@ -242,6 +244,34 @@ def _public_names() -> list[str]:
             seen.add(id(value))
             names.append(f"{module_name}.{name}")
     return names
+
+
+FIGURE_MARKER = re.compile(r"<!-- fig (.+?) -->(.*?)<!-- /fig -->")
+
+
+def test_pages_show_measured_figures_not_their_markers(site):
+    """A measured figure reads as its value (docs/_figures.py writes it into
+    the Markdown between two comments): no page shows a ``{{ }}`` macro or a
+    marker's text outside code, and each marker holds a value."""
+    shown, empty, count = {}, {}, 0
+    for page in sorted(site.rglob("*.html")):
+        text = page.read_text(encoding="utf-8")
+        article = text[text.find("<article") : text.find("</article>")]
+        markers = FIGURE_MARKER.findall(article)
+        count += len(markers)
+        where = str(page.relative_to(site))
+        valueless = [spec for spec, value in markers if not TAG.sub("", value).strip()]
+        if valueless:
+            empty[where] = valueless[:3]
+        prose = re.sub(
+            r"<!--.*?-->|<pre[\s>].*?</pre>|<code>.*?</code>", "", article, flags=re.S
+        )
+        leaks = re.findall(r"\{\{.{0,60}|&lt;!-- ?/?fig.{0,60}", prose)
+        if leaks:
+            shown[where] = leaks[:3]
+    assert count > 0, "no figure markers in the built pages"
+    assert shown == {}, f"figure macros or markers shown as text: {shown}"
+    assert empty == {}, f"figure markers without a value: {empty}"
 
 
 def test_search_finds_every_public_name_at_its_api_entry(site):
