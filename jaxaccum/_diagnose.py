@@ -147,28 +147,11 @@ def diagnose(
     Computes :func:`jaxaccum.value_and_grad` with ``N`` micro-batches and with
     one (the full batch), like
     :func:`jaxaccum.testing.assert_grads_match_full_batch`, and reports the
-    largest error of every leaf. When they differ, it looks for the cause, in
-    this order, and stops at the first that explains the error (leaves under
-    5% of it unexplained):
-
-    * ``"random"``: with ``key_argnums``, the full-batch gradient for another
-      key differs: randomness (dropout) makes any comparison fail.
-    * ``"loss_scale"``: the accumulated gradient is ``c`` times the full-batch
-      gradient. ``c = 1 / N``: ``fun`` returns a sum but ``reduction="mean"``;
-      ``c = N``: a mean but ``reduction="sum"``; another ``c``: ``fun``
-      normalizes by some other function of its batch size.
-    * ``"unequal_weights"``: the full-batch gradient is a combination of the
-      ``N`` micro-batch gradients (each computed alone, state and keys as in the
-      accumulation) with unequal weights, found by least squares: ``fun`` is a
-      mean over a count that varies between micro-batches (valid tokens), and
-      ``reduction="weighted"`` makes it exact.
-    * ``"batch_dependent"``: examples interact. The gradient of ``fun`` with
-      respect to the batch's float leaves is taken twice, the second time with
-      the last example moved by about one standard deviation of its leaf; in a
-      per-example model the other examples' gradients do not change. Behind
-      BatchNorm they do (it normalizes with the batch's statistics), and no
-      accumulation can match the big batch. Costs two full-batch gradients.
-    * ``"unexplained"`` otherwise.
+    largest error of every leaf. When they differ, it names the first
+    :class:`Cause` that explains the error, trying ``"random"``,
+    ``"loss_scale"``, ``"unequal_weights"`` and ``"batch_dependent"`` (two
+    more full-batch gradients) in that order, else ``"unexplained"``. How each
+    is detected: [Pitfalls](../guides/pitfalls.md#how-diagnose-finds-the-cause).
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.

@@ -204,20 +204,13 @@ def plan(
     """Finds the fewest micro-batches whose compiled step fits a memory budget.
 
     Compiles ``jax.jit(jaxaccum.value_and_grad(fun, N, **value_and_grad_kwargs))``
-    for the arguments ``args`` and reads its footprint (arguments + outputs +
-    temporaries - aliased bytes, from ``compiled.memory_analysis()``; see the
-    module docstring for what is and is not counted). Nothing runs, so ``args``
-    may be ``jax.ShapeDtypeStruct`` values instead of real arrays.
-
-    The footprint shrinks as ``N`` grows (approximately: the activations of one
-    micro-batch shrink while parameters, gradients and the batch stay). So
-    instead of compiling every candidate, :func:`plan` compiles the smallest
-    candidate (done if it fits), then the largest (an error if it does not
-    fit), then bisects between them: at most ``ceil(log2(len(candidates))) + 2``
-    compilations. The chosen ``N`` was compiled and fits, and the next-smaller
-    candidate (if any) was compiled and does not; every figure in the table is
-    measured. Where the footprint is not monotone, a smaller fitting ``N``
-    between compiled ones can be missed; pass ``candidates`` to check it.
+    for ``args`` and reads its footprint, arguments + outputs + temporaries -
+    aliased bytes, from ``compiled.memory_analysis()``; nothing runs, so ``args``
+    may be ``jax.ShapeDtypeStruct`` values. It compiles the smallest and the
+    largest candidate, then bisects (at most ``ceil(log2(len(candidates))) + 2``
+    compilations): the chosen ``N`` fits, and the next-smaller candidate, if
+    any, was compiled and does not. What is counted, and where bisection can
+    miss a smaller ``N``: [Planning memory](../guides/planning-memory.md).
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
@@ -228,11 +221,10 @@ def plan(
         ``"device"`` (see :func:`parse_memory_budget`).
       candidates: the numbers of micro-batches to consider; each must divide
         the batch size. Default: every divisor of the batch size.
-      optimizer: if given, the compiled step is a whole train step: gradients,
-        ``optimizer.update`` and ``optax.apply_updates`` on the differentiated
-        argument(s), with the parameters and the optimizer state (from
-        ``optimizer.init``) as donated arguments. Then the optimizer state and
-        the update's temporaries count too.
+      optimizer: if given, the step compiled is a whole train step on the
+        differentiated argument(s), ``optimizer.update`` and
+        ``optax.apply_updates`` included, the parameters and the optimizer state
+        (from ``optimizer.init``) donated: the state and the update count too.
       **value_and_grad_kwargs: the other keyword arguments of
         :func:`jaxaccum.value_and_grad` (``argnums``, ``batch_argnums``,
         ``remat``, ...), as the training step will use them.
@@ -245,7 +237,8 @@ def plan(
       ValueError: if no candidate fits (with the smallest footprint found and
         the budget), a candidate does not divide the batch size, or the budget
         is invalid.
-      TypeError: if ``num_microbatches`` or ``microbatch_size`` is passed.
+      TypeError: if ``num_microbatches``, ``microbatch_size`` or
+        ``masked=True`` is passed.
 
     Examples:
       >>> import jax, jax.numpy as jnp

@@ -127,131 +127,59 @@ def shard_value_and_grad(
 ) -> Callable[..., Any]:
     """:func:`jaxaccum.value_and_grad` with one gradient all-reduce per window.
 
-    The window runs under ``jax.shard_map``, manual over ``data_axis``: each
-    device splits its own rows of the batch into ``N`` strided micro-batches,
-    accumulates the gradient sums (and loss and weight sums) of all of them,
-    and one ``psum`` over ``data_axis`` after the loop combines the devices'
-    sums, which are then normalised as in :func:`jaxaccum.value_and_grad`:
-
-    * ``"mean"``: divided by ``N * D`` (``D`` devices on ``data_axis``, every
-      device holding the same number of rows), the full-batch mean;
-    * ``"weighted"``: divided by the weight summed over every micro-batch of
-      every device, so the token-exact mean holds globally;
-    * ``"sum"``: the global sum.
-
-    Gradients equal the full-batch ones, as in :func:`jaxaccum.value_and_grad`,
-    but XLA no longer all-reduces them once per micro-batch inside the loop.
-
-    Sharded parameters: each gradient leaf comes back sharded as its
-    parameter is. Parameters sharded over mesh axes other than ``data_axis``
-    (tensor parallel) stay sharded, with nothing gathered at the boundary;
-    inside, those axes are Auto (``jax.sharding.auto_axes``), so ``fun``'s
-    own ``out_sharding=`` arguments must not need them Explicit. Parameters
-    sharded over ``data_axis`` (FSDP, ZeRO-3: on one dimension, over all the
-    data axes) arrive as each device's shard, and two choices trade memory for
-    communication:
-
-    * ``param_gather``: ``"window"`` all-gathers them once, before the loop,
-      and holds the whole parameters for the window (``1/N`` of the gather
-      traffic, the memory of unsharded parameters); ``"microbatch"`` gathers
-      them inside every micro-batch and frees them after it (FSDP's memory,
-      ``N`` gathers per window). XLA would hoist a loop-invariant gather out of
-      the loop, so each gather is tied to the loop's index.
-    * ``grad_reduce``: ``"window"`` accumulates each device's whole local
-      gradient and reduces once after the loop (a reduce-scatter for FSDP
-      leaves, an all-reduce for others: ``1/N`` of the reduction traffic,
-      whole-size accumulators); ``"microbatch"`` reduces every micro-batch's
-      gradient into an accumulator sharded like the parameter (``1/D`` of the
-      accumulator memory for FSDP leaves, ``N`` reductions per window).
-    * ``"auto"`` (both defaults) never holds more than the sharding promises:
-      FSDP leaves are gathered and reduce-scattered per micro-batch; all other
-      gradients are all-reduced once per window (their accumulators are whole
-      on every device anyway, so deferring costs no memory).
-
-    Every reduction runs in ``accum_dtype`` (float32 by default): a bfloat16
-    gradient is cast up before it is reduce-scattered or all-reduced, so the
-    cross-device sum does not round to 8 bits, and back to its dtype only at
-    the end (per micro-batch this moves twice the bytes of a bfloat16
-    reduction).
-
-    Pick the fastest that fits: ``"window"`` for both when the whole parameters
-    and a whole gradient accumulator fit next to the activations
-    (:func:`jaxaccum.plan_modes` compiles each combination and reports its
-    per-device memory and bytes per window).
-
-    Auto meshes: the arguments' shardings are not visible to the traced
-    program there, so parameters would be taken as replicated (gathered at the
-    boundary, gradients replicated). Declare them with
-    ``jax.sharding.explicit_axes(step, in_sharding=(param_specs, P("data")))``
-    around the accumulated function, and it runs as on an Explicit mesh.
-
-    Differences from :func:`jaxaccum.value_and_grad`, all because ``fun`` sees
-    one device's rows at a time:
-
-    * ``num_microbatches`` (or ``microbatch_size``, counted over all devices)
-      must split each device's ``B / D`` rows into equal micro-batches;
-    * ``aux_reduction`` is ``"mean"`` (averaged over micro-batches and
-      devices: exact for per-example means such as accuracy) or ``"sum"``;
-    * PRNG keys in ``key_argnums`` are folded with the device's index, then
-      split into ``N``: devices draw independent randomness for their rows,
-      so results equal the single-device ones in distribution, not bitwise;
-    * carried state (``state_argnums``) is not supported: statistics such as
-      BatchNorm's would be per device. Use :func:`jaxaccum.value_and_grad`,
-      whose micro-batch statistics span all devices;
-    * with ``pad``, each device pads its own rows.
-
-    Arguments that are not differentiated, batch or key arguments (frozen
-    weights, a distillation teacher; and keyword arguments) are passed to
-    ``fun`` unchanged: their ``jax.Array`` leaves enter the ``shard_map`` as
-    arguments, keeping their sharding over the other mesh axes (a weight
-    sharded over ``"model"`` stays so); one sharded over ``data_axis`` is
-    all-gathered over it once per call, since ``fun`` sees it whole (as
-    ``param_gather="window"`` would). Other leaves (Python numbers, NumPy
-    arrays, static objects) are closed over. Per-example data in such an
-    argument is not split: name it in ``batch_argnums``.
+    Under ``jax.shard_map``, manual over ``data_axis``, each device accumulates
+    the sums of its own rows' ``N`` strided micro-batches; one ``psum`` after
+    the loop combines them, so the result equals the full batch's. Gradients
+    come back sharded as their parameters (replicated, FSDP, tensor parallel).
+    What differs from :func:`jaxaccum.value_and_grad`, the FSDP modes and Auto
+    meshes: [Data parallel, multi-host and sharded models](../guides/distributed.md).
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
       num_microbatches: ``N``, micro-batches per window (each spread over all
-        devices).
+        ``D`` devices of ``data_axis``); must split each device's rows equally.
       mesh: the device mesh; by default the one set with ``jax.set_mesh``.
       data_axis: the mesh axis (or axes) the batch is sharded over on axis 0.
       **keywords: the keyword options below.
 
     Keyword Args:
-      microbatch_size: examples per micro-batch, over all devices; instead of
-        ``num_microbatches``. Must be a multiple of ``D``.
+      microbatch_size: examples per micro-batch over all devices, instead of
+        ``N``; a multiple of ``D``.
       argnums: as for :func:`jaxaccum.value_and_grad`.
-      batch_argnums: as for :func:`jaxaccum.value_and_grad`; these arguments
-        are sharded over ``data_axis`` on axis 0 (resharded if they are not).
-      key_argnums: see above.
+      batch_argnums: as for :func:`jaxaccum.value_and_grad`; sharded over
+        ``data_axis`` on axis 0 (resharded if they are not).
+      key_argnums: PRNG keys, folded with the device's index, split per micro-batch.
       has_aux: as for :func:`jaxaccum.value_and_grad`.
-      reduction: ``"mean"``, ``"sum"`` or ``"weighted"``, as for
-        :func:`jaxaccum.value_and_grad`.
+      reduction: as for :func:`jaxaccum.value_and_grad`, over all devices.
       aux_reduction: ``"mean"`` or ``"sum"``, or a pytree prefix of the aux
         output mapping leaves to them.
-      accum_dtype: as for :func:`jaxaccum.value_and_grad`.
+      accum_dtype: as for :func:`jaxaccum.value_and_grad`; reductions run in it.
       pad: as for :func:`jaxaccum.value_and_grad`, per device.
       unroll: passed to ``jax.lax.scan``.
       remat: as for :func:`jaxaccum.value_and_grad`.
-      report_stats: also return a :class:`jaxaccum.WindowStats`; the
-        micro-batch norms are each device's local ones (``b = B / (N D)``),
-        taken before any reduction.
-      param_gather: ``"auto"``, ``"window"`` or ``"microbatch"``: when
-        parameters sharded over ``data_axis`` are all-gathered (see above).
-      grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: when
-        gradients are reduced over ``data_axis`` (see above).
-      gather_dtype: a dtype such as ``jnp.bfloat16`` to cast FSDP shards to
-        before they are gathered (half the gather's bytes); the loss sees the
-        gathered values cast back to the parameter's dtype, and gradients flow
-        to the float32 parameters. Measured: XLA:CPU runs bfloat16 collectives
-        in float32, so the saving shows on GPU and TPU.
+      report_stats: also return a :class:`jaxaccum.WindowStats` of each
+        device's local micro-batch norms (``b = B / (N D)``).
+      param_gather: ``"auto"``, ``"window"`` or ``"microbatch"``: whether
+        parameters sharded over ``data_axis`` are all-gathered once per window
+        or in every micro-batch (``"auto"``: every micro-batch).
+      grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: whether
+        gradients are reduced over ``data_axis`` once per window or in every
+        micro-batch (``"auto"``: every micro-batch for FSDP leaves only, once
+        per window for the others).
+      gather_dtype: a dtype such as ``jnp.bfloat16`` that FSDP shards are cast
+        to for their all-gather; the loss sees them in their own dtype.
 
     Returns:
       A function with ``fun``'s positional signature returning ``(value,
       grads)`` (``((value, aux), grads)`` with ``has_aux``; with
       ``report_stats``, ``(that, stats)``): gradients sharded as the
       parameters, everything else replicated.
+
+    Raises:
+      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``, which
+        it does not take, and as :func:`jaxaccum.value_and_grad` does.
+      ValueError: without a mesh, for a ``data_axis`` not in it, and as
+        :func:`jaxaccum.value_and_grad` does.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -459,8 +387,8 @@ def _auto_model_axes(
 
     A ``shard_map`` manual over the data axes all-gathers, at its boundary,
     every input sharded over an Explicit axis it leaves alone, and slices it
-    again inside (measured on JAX 0.10.2: a tensor-parallel weight is moved
-    whole at every call). Over Auto axes it keeps the sharding and does not.
+    again inside (on JAX 0.10.2 a tensor-parallel weight is moved whole at
+    every call). Over Auto axes it keeps the sharding and does not.
     """
     model_axes = tuple(
         name

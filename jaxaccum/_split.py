@@ -75,31 +75,14 @@ def register_batch_node(
 
     jaxaccum refuses a batch node whose static data holds an integer equal to
     the batch size: it cuts the node's arrays into micro-batches but cannot
-    know what that integer means. Registering the type says it:
-
-    * ``resize=None``: the static data holds no batch size (a ``num_classes``
-      that happens to equal it, say); the node is split like any pytree.
-    * ``resize(static, size)``: returns the static data of the node holding
-      ``size`` rows; every micro-batch (and the outputs of
-      :func:`split_batch` and :func:`pad_microbatches`) is built with it. For
-      haliax's ``NamedArray``, whose static data is its axes::
-
-        jaxaccum.register_batch_node(
-            hax.NamedArray,
-            lambda axes, size: tuple(
-                axis.resize(size) if axis.name == "batch" else axis
-                for axis in axes
-            ),
-        )
-
-    jaxaccum checks what ``resize`` returns: where the static data held the
-    rows it was given (the batch's, a device's share, a padded batch's), the
-    static data it returns for another size must hold that size.
-
-    Like ``jax.tree_util.register_pytree_node``, this is process-wide;
-    registering a type again replaces its entry, and clears JAX's compilation
-    caches (``jax.clear_caches``) so that no function traced with the old
-    entry is reused.
+    know what that integer means. Registering the type says it. With
+    ``resize=None`` the static data holds no batch size (a ``num_classes``
+    that happens to equal it) and the node splits like any pytree; with
+    ``resize``, every micro-batch is built with ``resize(static, size)``, the
+    static data of the node holding ``size`` rows, which jaxaccum checks. The
+    registration is process-wide; registering a type again replaces its entry.
+    Guide, with haliax's ``NamedArray``: [In-step
+    accumulation](../guides/in-step.md#batches-are-arrays-or-pytrees-of-arrays).
 
     Args:
       node_type: the pytree node class (not a leaf type such as ``int`` or an

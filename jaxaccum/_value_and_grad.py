@@ -40,111 +40,50 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
 
-    The batch is split into ``N`` strided micro-batches (example ``i`` goes to
-    micro-batch ``i mod N``) and forward + backward runs on one micro-batch at a
-    time inside a single ``jax.lax.scan``. Under ``jax.jit`` this is one
-    compiled step whose activation memory is that of one micro-batch, and whose
-    result equals ``jax.value_and_grad(fun)`` on the whole batch:
-
-    * ``reduction="mean"``: ``fun`` returns the mean loss of the batch it is
-      given; the result is the mean over the ``N`` equal micro-batches, which is
-      the full-batch mean and its gradient.
-    * ``reduction="sum"``: ``fun`` returns a sum; the results are summed.
-    * ``reduction="weighted"``: ``fun`` returns ``(loss_sum, weight)``: the sum
-      of its micro-batch's per-token (or per-example) losses and the count (or
-      total weight) of what was summed. The value is ``sum(loss_sum) /
-      sum(weight)`` over the window and the gradient ``sum(grad loss_sum) /
-      sum(weight)``: exactly the full-batch masked mean, however unevenly the
-      valid tokens fall into micro-batches. A window whose total weight is 0
-      gives zero gradients and value 0, never NaN.
-
-    Gradients (and the value) accumulate in ``accum_dtype`` (float32 by default,
-    so bfloat16/float16 gradients are cast up) and are returned in their own
-    dtype. The scan body is traced and compiled once, whatever ``N``.
+    Forward + backward runs on ``N`` strided micro-batches (example ``i`` in
+    micro-batch ``i mod N``), one at a time in one ``jax.lax.scan`` traced once
+    whatever ``N``; the result equals ``jax.value_and_grad(fun)`` on the whole
+    batch. Guide: [In-step accumulation](../guides/in-step.md).
 
     Args:
-      fun: the loss function, ``fun(*args, **kwargs) -> loss`` (or
-        ``(loss, aux)`` with ``has_aux=True``), where ``loss`` is a scalar, or
-        ``(loss_sum, weight)`` with ``reduction="weighted"``.
-      num_microbatches: ``N``, the number of micro-batches; must divide the
-        batch size (unless ``pad``). Exactly one of ``num_microbatches`` and
-        ``microbatch_size``.
+      fun: the loss, ``fun(*args, **kwargs)``: a scalar (``(loss, aux)`` with
+        ``has_aux``; ``(loss_sum, weight)`` with ``reduction="weighted"``).
+      num_microbatches: ``N``; must divide the batch size (unless ``pad``).
+        Exactly one of it and ``microbatch_size``.
       **options: the keyword options below.
 
     Keyword Args:
-      microbatch_size: examples per micro-batch; must divide the batch size
-        (unless ``pad``).
-      argnums: positional argument(s) to differentiate, as in
-        ``jax.value_and_grad``. Their leaves must be floats.
-      batch_argnums: positional argument(s) holding the batch: pytrees whose
-        leaves share a leading batch axis.
-      key_argnums: positional argument(s) holding PRNG keys (typed or raw). Each
-        key is split into ``N`` independent keys with ``jax.random.split``, and
-        micro-batch ``k`` gets key ``k`` (with ``N == 1`` the key is passed
-        unchanged). The same key gives bitwise the same result.
-      state_argnums: positional argument(s) holding state that ``fun`` updates,
-        such as BatchNorm statistics. ``fun`` then returns ``(out, new_state)``
-        (``out`` being what it returns otherwise) and the state is carried
-        through the micro-batches in order: micro-batch ``k`` sees the state
-        micro-batch ``k - 1`` returned. Not differentiated.
+      microbatch_size: examples per micro-batch, instead of ``N``.
+      argnums: positional argument(s) to differentiate; their leaves are floats.
+      batch_argnums: positional argument(s) holding the batch, split on axis 0.
+      key_argnums: positional argument(s) holding PRNG keys, split per micro-batch.
+      state_argnums: positional argument(s) holding state that ``fun`` returns
+        updated, ``(out, new_state)``; carried in order, not differentiated.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
-      reduction: ``"mean"``, ``"sum"`` or ``"weighted"``: what ``fun``'s loss is
-        over the batch it is given (see above).
-      aux_reduction: how each aux leaf combines over micro-batches: ``"mean"``
-        (integer leaves give a float mean), ``"sum"``, ``"stack"`` (all ``N``
-        results on a new leading axis, in micro-batch order), ``"concat"``
-        (per-example leaves, whose leading axis is the micro-batch size, come
-        back as one ``(B, ...)`` array in the batch's own order, padded rows
-        removed: logits for an accuracy, say) or ``"last"``; a single string
-        or a pytree prefix of the aux output.
+      reduction: ``fun``'s loss over its batch: ``"mean"``, ``"sum"`` or
+        ``"weighted"`` (``sum(loss_sum) / sum(weight)``; 0 at weight 0).
+      aux_reduction: ``"mean"``, ``"sum"``, ``"stack"``, ``"concat"`` or
+        ``"last"``, or a pytree prefix of the aux output mapping leaves to them.
       accum_dtype: dtype float gradients accumulate in (at least); ``None``
-        keeps each gradient's own dtype.
-      pad: accept a batch size that ``N`` (or ``microbatch_size``) does not
-        divide by padding the batch with zero rows at its end. Padded rows must
-        contribute nothing, so ``fun`` is then called with a keyword argument
-        ``example_mask``: a boolean ``(micro-batch size,)`` array, False on
-        padded rows, which ``fun`` must apply to its losses and weights (a
-        ``fun`` without that keyword is an error). Needs
-        ``reduction="weighted"`` or ``"sum"`` (a mean over micro-batches of
-        unequal real size is not the batch mean).
+        keeps each gradient's own dtype. Results come back in their own dtype.
+      pad: pad a batch that ``N`` does not divide; ``fun`` then takes
+        ``example_mask=``, and ``reduction`` is ``"weighted"`` or ``"sum"``.
       unroll: passed to ``jax.lax.scan``.
-      remat: ``True`` wraps the micro-batch loss in ``jax.checkpoint`` (its
-        forward pass is recomputed in the backward pass); a checkpoint policy
-        such as ``jax.checkpoint_policies.dots_saveable`` is used as the policy.
-      report_finite: also return a :class:`FiniteReport` saying which
-        micro-batches had a non-finite loss or gradient.
-      report_stats: also return a :class:`WindowStats`: each micro-batch's
-        and the window's gradient squared norm, and from them the gradient
-        noise scale (is a bigger batch worth it?), with the finite flags of
-        ``report_finite``. Costs one squared norm per micro-batch.
-      masked: one compiled program for every window of up to ``N``
-        micro-batches (a growing batch without a recompile per size). The
-        returned function then takes a keyword argument
-        ``active_microbatches``, an int (traced under ``jit``) from 1 to
-        ``N``: micro-batches ``0 .. active - 1`` are computed and the others
-        skipped (a ``lax.cond`` per micro-batch, not computed). Lay a batch
-        of ``active`` micro-batches out in the ``N``-micro-batch layout with
-        :func:`pad_microbatches`. The result equals this function with
-        ``active`` micro-batches on the unpadded batch; a ``"mean"`` is over
-        the active micro-batches, :class:`WindowStats` count only them, and
-        ``"stack"`` / ``"concat"`` aux of skipped micro-batches are zeros.
-        Keys are split ``N`` ways whatever ``active`` (micro-batch ``k`` gets
-        key ``k``). With ``microbatch_size``, ``N`` is the batch's rows over
-        it. A concrete count outside ``1 .. N`` (or a float, a bool) is an
-        error; a traced one cannot raise, so it gives no plausible number:
-        the value, gradients, float aux leaves and :class:`WindowStats` are
-        NaN, the finite flags False and integer aux leaves their dtype's
-        most negative value (the new state is returned as computed). Passing
-        ``active_microbatches`` without ``masked`` is an error.
+      remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
+      report_finite: also return a :class:`FiniteReport`.
+      report_stats: also return a :class:`WindowStats` (the noise scale).
+      masked: ``N`` is a maximum: the call's ``active_microbatches`` (traced
+        under ``jit``) says how many micro-batches one program computes.
 
     Returns:
-      A function with ``fun``'s signature returning ``(value, grads)``, or
-      ``((value, aux), grads)`` with ``has_aux``; with ``state_argnums``, that
-      result and the new state: ``(result, new_state)``; with
-      ``report_finite`` (``report_stats``), all that and the
-      :class:`FiniteReport` (:class:`WindowStats`): ``(out, report)``. ``grads``
-      has the structure of ``args[argnums]`` (a tuple of them if ``argnums``
-      is a sequence).
+      A function with ``fun``'s signature returning ``(value, grads)``
+      (``((value, aux), grads)`` with ``has_aux``), ``grads`` like
+      ``args[argnums]``; with ``state_argnums``, ``(that, new_state)``; with
+      ``report_finite`` or ``report_stats``, ``(all that, report)``.
+
+    Raises:
+      TypeError: for an unknown or ill-typed option or non-float ``argnums``.
+      ValueError: for an option out of range or a batch ``N`` does not divide.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax

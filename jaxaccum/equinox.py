@@ -79,8 +79,8 @@ def filter_value_and_grad(
     Differentiates the inexact-array leaves of ``fun``'s first argument (the
     model), as ``eqx.filter_value_and_grad`` does, with the batch split into
     ``N`` strided micro-batches accumulated in one ``jax.lax.scan``
-    (:func:`jaxaccum.value_and_grad`). Every argument but the differentiated
-    one means what it means there.
+    (:func:`jaxaccum.value_and_grad`, whose options these are). Guide:
+    [Equinox](../guides/equinox.md).
 
     Args:
       fun: ``fun(model, *args, **kwargs)``, returning the loss (or ``(loss,
@@ -93,8 +93,7 @@ def filter_value_and_grad(
     Keyword Args:
       microbatch_size: examples per micro-batch.
       batch_argnums: positional argument(s) of ``fun`` holding the batch.
-      key_argnums: positional argument(s) holding PRNG keys, split per
-        micro-batch.
+      key_argnums: positional argument(s) holding PRNG keys, split per micro-batch.
       state_argnums: positional argument(s) holding state ``fun`` updates and
         returns, such as an ``eqx.nn.State``; carried in order.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
@@ -105,13 +104,9 @@ def filter_value_and_grad(
       unroll: passed to ``jax.lax.scan``.
       remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
       report_finite: also return a :class:`jaxaccum.FiniteReport`.
-      report_stats: also return a :class:`jaxaccum.WindowStats` (the gradient
-        noise scale).
-      masked: ``N`` is a maximum: the function takes the keyword argument
-        ``active_microbatches`` and computes that many micro-batches (see
-        :func:`jaxaccum.value_and_grad`). ``eqx.filter_jit`` traces it when it
-        is an array (``jnp.asarray(k)``: one program for every ``k``) and
-        recompiles per value when it is a Python int.
+      report_stats: also return a :class:`jaxaccum.WindowStats` (the noise scale).
+      masked: ``N`` is a maximum: the call's ``active_microbatches`` says how
+        many micro-batches to compute; pass it as an array under ``eqx.filter_jit``.
 
     Returns:
       ``accumulated(model, *args, **kwargs)`` returning ``(value, grads)``

@@ -116,27 +116,18 @@ def linen_value_and_grad(
 ) -> Callable[..., Any]:
     """Accumulates a loss that calls a Linen ``model.apply``, state and rngs too.
 
-    ``fun(variables, batch, *args, **kwargs)`` calls ``model.apply(variables,
-    ..., mutable=mutable, rngs=rngs)`` and returns ``(loss, updates)``: the
-    loss (or ``(loss, aux)`` with ``has_aux``) and the collections ``apply``
-    returned. The ``"params"`` collection is differentiated; the ``mutable``
-    collections are carried through the micro-batches in order, so BatchNorm's
+    The ``"params"`` collection is differentiated; the ``mutable`` collections
+    are carried through the micro-batches in order, so BatchNorm's
     ``batch_stats`` after a window equal ``N`` sequential training-mode forward
-    passes over the micro-batches; other collections are passed unchanged.
-    ``rngs`` (a dict of PRNG keys, e.g. ``{"dropout": key}``) is split per
-    micro-batch: micro-batch ``k`` gets ``jax.random.split(key, N)[k]`` for
-    each stream (with ``N == 1`` the keys are passed unchanged).
-
-    A collection's structure must stay fixed: collections that ``apply``
-    creates on the way (``intermediates`` from ``sow``) cannot be carried;
-    return what you need from them as aux instead.
+    passes; other collections are passed unchanged. Each ``rngs`` stream's key
+    is split per micro-batch. Guide: [Flax](../guides/flax.md#linen).
 
     Args:
-      fun: ``fun(variables, batch, *args, **kwargs)``, called with ``rngs=`` as
-        a keyword argument when the caller passes ``rngs``. Returns ``(out,
-        updates)`` with ``mutable``, else ``out``; ``out`` is the loss, or
-        ``(loss, aux)`` with ``has_aux``, or what ``reduction="weighted"``
-        expects.
+      fun: ``fun(variables, batch, *args, **kwargs)``, calling ``model.apply``
+        (with ``rngs=``, passed as a keyword when the caller passes ``rngs``).
+        Returns ``(out, updates)`` with ``mutable`` (``updates`` the collections
+        ``apply`` returned), else ``out``; ``out`` is the loss, or ``(loss,
+        aux)`` with ``has_aux``, or what ``reduction="weighted"`` expects.
       num_microbatches: ``N``, as for :func:`jaxaccum.value_and_grad`.
       mutable: the collections ``fun`` updates (what it passes to ``apply``'s
         ``mutable``), e.g. ``"batch_stats"``.
@@ -424,26 +415,17 @@ def nnx_value_and_grad(
 ) -> Callable[..., Any]:
     """``nnx.value_and_grad`` over micro-batches, the model's state carried in order.
 
-    ``fun(model, batch, *args, **kwargs)`` returns the loss (or ``(loss, aux)``
-    with ``has_aux``) and may update the model's state as it runs. The model's
-    ``wrt`` Variables (``nnx.Param``) are differentiated; every other Variable
-    (``nnx.BatchStat``, the RNG streams' counters, any Variable of your own) is
-    carried through the micro-batches in order and written back into the model
-    after the window: BatchNorm statistics equal ``N`` sequential training-mode
-    forward passes over the micro-batches, and an RNG stream advances as in
-    those passes (a stream drawn once per forward pass advances ``N`` times per
-    window, so micro-batches draw different dropout masks, and the same model
-    state gives bitwise the same result). Works in ``nnx.jit`` and, on a model
-    merged inside the function, ``jax.jit``.
-
-    Variables that ``fun`` creates (``sow``, lazy initialization) cannot be
-    carried; ``nnx.pop`` them inside ``fun`` and return what you need as aux.
-    Other NNX objects (``nnx.Rngs``, modules) must be reachable from the model,
-    not passed as separate arguments.
+    The model's ``wrt`` Variables are differentiated; every other Variable
+    (``nnx.BatchStat``, RNG stream counters, ...) is carried through the
+    micro-batches in order and written back into the model after the window,
+    as ``N`` sequential training-mode forward passes leave it. Works in
+    ``nnx.jit`` and, on a model merged inside the function, ``jax.jit``. What
+    cannot be carried: [Flax](../guides/flax.md#nnx).
 
     Args:
-      fun: the loss, ``fun(model, batch, *args, **kwargs)``; ``batch`` is split
-        into micro-batches, other arguments are passed unchanged.
+      fun: the loss, ``fun(model, batch, *args, **kwargs)`` (``(loss, aux)``
+        with ``has_aux``), which may update the model's state; ``batch`` is
+        split into micro-batches, other arguments are passed unchanged.
       num_microbatches: ``N``, as for :func:`jaxaccum.value_and_grad`.
       wrt: an ``nnx`` filter of the Variables to differentiate, as for
         ``nnx.Optimizer``.
