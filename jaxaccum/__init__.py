@@ -18,13 +18,11 @@ from jaxaccum._growth import NoiseMoments as NoiseMoments
 from jaxaccum._growth import NoiseScaleBatch as NoiseScaleBatch
 from jaxaccum._growth import NoiseScaleBatchState as NoiseScaleBatchState
 from jaxaccum._growth import ScaleByBatchState as ScaleByBatchState
-from jaxaccum._growth import ScheduleRamp as ScheduleRamp
 from jaxaccum._growth import StepCost as StepCost
 from jaxaccum._growth import batch_ramp as batch_ramp
 from jaxaccum._growth import batch_scale as batch_scale
 from jaxaccum._growth import measure_step_cost as measure_step_cost
 from jaxaccum._growth import noise_scale_batch as noise_scale_batch
-from jaxaccum._growth import ramp_from_schedule as ramp_from_schedule
 from jaxaccum._growth import (
     scale_by_batch_learning_rate as scale_by_batch_learning_rate,
 )
@@ -80,7 +78,6 @@ __all__ = [
     "NoiseScaleState",
     "STEPS_ONLY",
     "ScaleByBatchState",
-    "ScheduleRamp",
     "StepCost",
     "accumulate",
     "batch_ramp",
@@ -95,7 +92,6 @@ __all__ = [
     "parse_memory_budget",
     "plan",
     "plan_modes",
-    "ramp_from_schedule",
     "register_batch_node",
     "scale_by_batch_learning_rate",
     "shard_batch",

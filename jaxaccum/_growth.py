@@ -28,7 +28,7 @@ import functools
 import math
 import time
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
@@ -36,8 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum._noise_scale import NoiseEstimates, NoiseScaleEMA, NoiseScaleState
-from jaxaccum._options import check_positive_int, check_scalar
+from jaxaccum._noise_scale import (
+    NoiseEstimates,
+    NoiseScaleEMA,
+    NoiseScaleState,
+    check_decay,
+)
+from jaxaccum._options import check_scalar, static_scalar
 
 LearningRateRule = Literal["sqrt", "linear", "none", "adascale"]
 """How the learning rate follows the batch: ``"sqrt"`` (Adam-type optimizers),
@@ -89,6 +94,35 @@ def _float32(value: Any) -> jax.Array:
     return jnp.asarray(value, jnp.float32)
 
 
+_COUNT_HINT = "Pass a positive int (a count), not a float or a traced value."
+
+
+def _static_count(name: str, value: Any, hint: str = _COUNT_HINT) -> int:
+    """A count fixed when the program is built, as a Python int (hashable)."""
+    return static_scalar(name, value, integer=True, low=1, hint=hint)
+
+
+def _static_bool(name: str, value: Any) -> bool:
+    """A switch fixed when the program is built: a Python or NumPy bool."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"{name} must be True or False, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    return bool(value)
+
+
+def _check_reading(name: str, value: Any, hint: str) -> None:
+    """A measured real scalar (an estimate, a noise scale), checked as
+    :func:`check_scalar` checks a real one, except that NaN and infinities,
+    which measurements give (no estimate yet, an overflow), pass."""
+    try:
+        check_scalar(name, value, integer=False, hint=hint)
+    except ValueError:
+        if math.isfinite(float(np.asarray(value))):
+            raise
+
+
 class BatchRampState(NamedTuple):
     """The state of :class:`BatchRamp`: a pytree, checkpointable as it is.
 
@@ -118,24 +152,14 @@ class BatchRamp:
     schedule: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
-        check_positive_int("microbatch_size", self.microbatch_size)
-        if not self.schedule:
-            raise ValueError("schedule is empty; pass e.g. {0: 1, 100_000: 2}.")
-        keys = [key for key, _ in self.schedule]
-        for key, value in self.schedule:
-            if isinstance(key, bool) or not isinstance(key, int | np.integer):
-                raise TypeError(
-                    f"schedule keys are examples seen, ints; got {key!r} of type "
-                    f"{type(key).__name__}."
-                )
-            check_positive_int(f"schedule[{key}]", value, "It counts micro-batches.")
-        if keys != sorted(set(keys)):
-            raise ValueError(f"schedule keys must increase, got {keys}.")
-        if keys[0] != 0:
-            raise ValueError(
-                f"schedule must start at 0 examples seen, its first key is "
-                f"{keys[0]}; add e.g. 0: 1 for the first windows."
-            )
+        # Stored as Python ints: the ramp is a static argument of its jitted
+        # update, and a NumPy or JAX scalar field would not hash.
+        object.__setattr__(
+            self,
+            "microbatch_size",
+            _static_count("microbatch_size", self.microbatch_size),
+        )
+        object.__setattr__(self, "schedule", _static_schedule(self.schedule))
 
     @property
     def possible_num_microbatches(self) -> tuple[int, ...]:
@@ -178,6 +202,70 @@ class BatchRamp:
         return self.num_microbatches(state) * self.microbatch_size
 
 
+def _schedule_key(key: Any) -> int:
+    """A schedule key (examples seen) as a Python int: an int, not above what
+    float32, where examples seen are counted, holds."""
+    if isinstance(key, bool | np.bool_) or not isinstance(key, int | np.integer):
+        # A 0-d JAX int (a BatchRamp built directly): checked as a count is.
+        return static_scalar(
+            "schedule key", key, integer=True, hint="Keys are examples seen: ints."
+        )
+    number = int(key)
+    check_scalar(
+        f"schedule key {number}",
+        number,
+        integer=False,
+        hint="Examples seen are counted in float32.",
+    )
+    return number
+
+
+def _static_schedule(schedule: Any) -> tuple[tuple[int, int], ...]:
+    """``(examples_seen, num_microbatches)`` pairs as Python ints, checked:
+    keys increasing from 0 and distinct in float32, values positive counts."""
+    try:
+        entries = [tuple(pair) for pair in schedule]
+    except TypeError:
+        entries = [()]
+    if any(len(entry) != 2 for entry in entries):
+        raise TypeError(
+            "schedule must be (examples_seen, num_microbatches) pairs, e.g. "
+            f"((0, 1), (100_000, 2)), got {schedule!r}."
+        )
+    pairs = [(_schedule_key(key), value) for key, value in entries]
+    if not pairs:
+        raise ValueError("schedule is empty; pass e.g. {0: 1, 100_000: 2}.")
+    keys = [key for key, _ in pairs]
+    if keys != sorted(set(keys)):
+        raise ValueError(f"schedule keys must increase, got {keys}.")
+    if keys[0] != 0:
+        raise ValueError(
+            f"schedule must start at 0 examples seen, its first key is "
+            f"{keys[0]}; add e.g. 0: 1 for the first windows."
+        )
+    _check_keys_distinct_in_float32(keys)
+    hint = "It counts micro-batches: pass a positive int."
+    return tuple(
+        (key, _static_count(f"schedule[{key}]", value, hint)) for key, value in pairs
+    )
+
+
+def _check_keys_distinct_in_float32(keys: list[int]) -> None:
+    """Examples seen are compared with the keys in float32: two keys that
+    round to one float32 would make one of them unreachable."""
+    rounded = np.asarray(keys, np.float64).astype(np.float32)
+    collisions = np.flatnonzero(np.diff(rounded) <= 0)
+    if collisions.size:
+        index = int(collisions[0])
+        first, second = keys[index], keys[index + 1]
+        raise ValueError(
+            f"schedule keys {first} and {second} are the same number in float32, "
+            "where examples seen are counted (integers are exact up to 2**24 = "
+            f"16,777,216; near {first} float32 steps by "
+            f"{float(np.spacing(rounded[index])):,.0f}): space them further apart."
+        )
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _ramp_update(
     ramp: BatchRamp, state: BatchRampState, big_batch: jax.Array
@@ -206,15 +294,20 @@ def batch_ramp(microbatch_size: int, schedule: Mapping[int, int]) -> BatchRamp:
     Args:
       microbatch_size: examples per micro-batch, a positive int.
       schedule: examples seen -> micro-batches per window, e.g.
-        ``{0: 1, 100_000: 2, 400_000: 8}``; keys ints starting at 0, values
-        positive ints.
+        ``{0: 1, 100_000: 2, 400_000: 8}``; keys ints starting at 0 (beyond
+        int32 too: up to float32's largest), values positive ints. NumPy and
+        0-d JAX ints are kept as Python ints.
 
     Returns:
       A :class:`BatchRamp` (``init``, ``update``, ``num_microbatches``).
 
     Raises:
-      ValueError: for a schedule not starting at 0 or with a non-positive
-        value, or a non-positive ``microbatch_size``.
+      TypeError: for a ``schedule`` that is not a mapping, a key or value
+        that is not an int, or a ``microbatch_size`` that is not an int.
+      ValueError: for a schedule not starting at 0, with a non-positive
+        value, a key float32 cannot hold or two keys float32 cannot tell
+        apart (examples seen are counted in float32), or a non-positive
+        ``microbatch_size``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -231,7 +324,13 @@ def batch_ramp(microbatch_size: int, schedule: Mapping[int, int]) -> BatchRamp:
       >>> sizes, float(state.examples_seen)
       ([1, 1, 2, 2, 4], 80.0)
     """
-    return BatchRamp(microbatch_size, tuple(sorted(schedule.items())))
+    if not isinstance(schedule, Mapping):
+        raise TypeError(
+            "schedule must be a mapping examples seen -> micro-batches per window, "
+            f"e.g. {{0: 1, 100_000: 2}}, got {schedule!r}."
+        )
+    pairs = [(_schedule_key(key), value) for key, value in schedule.items()]
+    return BatchRamp(microbatch_size, tuple(sorted(pairs, key=lambda pair: pair[0])))
 
 
 class NoiseMoments(NamedTuple):
@@ -374,18 +473,27 @@ class NoiseScaleBatch:
     """Sizes the window for the least predicted time from the measured noise
     scale and the step's cost; see :func:`noise_scale_batch` for the rule.
 
+    Every quantity with a unit is in one unit, the controller's: examples, or
+    tokens (the unit of ``WindowStats.big_batch`` with ``reduction="weighted"``)
+    when ``tokens_per_example`` is set. The fields are validated and stored as
+    Python numbers (the controller is a static argument of its jitted update).
+
     Attributes:
       microbatch_size: examples per micro-batch.
       max_microbatches: the largest window.
       min_microbatches: the smallest window.
-      step_cost: a step's fixed cost in examples, ``t_step / t_example``.
+      step_cost: a step's fixed cost in the controller's unit,
+        ``t_step / t_example``.
       kappa: if set, the target is $\\kappa B_\\text{noise}$ instead
         (step_cost unused).
-      half_life: of the moving averages, in the unit of ``big_batch``.
+      half_life: of the moving averages, in the controller's unit.
       standard_errors: how far (in standard errors of the estimate) the
         evidence must put the target from the current window to move it.
-      sizes: the allowed window sizes, ascending.
+      sizes: the allowed window sizes.
       shrink: whether the window may shrink (with 2x hysteresis).
+      tokens_per_example: ``None``: ``big_batch`` counts examples. Otherwise
+        ``big_batch``, ``step_cost`` and ``half_life`` count tokens, and a
+        micro-batch is ``microbatch_size * tokens_per_example`` of them.
     """
 
     microbatch_size: int
@@ -397,10 +505,12 @@ class NoiseScaleBatch:
     standard_errors: float = 1.0
     sizes: tuple[int, ...] | None = None
     shrink: bool = False
+    tokens_per_example: float | None = None
 
     def __post_init__(self) -> None:
+        set_field = functools.partial(object.__setattr__, self)
         for name in ("microbatch_size", "max_microbatches", "min_microbatches"):
-            check_positive_int(name, getattr(self, name))
+            set_field(name, _static_count(name, getattr(self, name)))
         if self.min_microbatches < 2:
             raise ValueError(
                 f"min_microbatches must be >= 2, got {self.min_microbatches}: a "
@@ -411,31 +521,33 @@ class NoiseScaleBatch:
                 f"max_microbatches ({self.max_microbatches}) must be >= "
                 f"min_microbatches ({self.min_microbatches})."
             )
-        if self.step_cost != STEPS_ONLY:
-            check_scalar(
-                "step_cost",
-                self.step_cost,
-                integer=False,
-                low=0.0,
-                hint="(examples; jaxaccum.STEPS_ONLY for the largest window)",
-            )
-        if self.kappa is not None:
-            check_scalar("kappa", self.kappa, integer=False, low=0.0, open_low=True)
-        if self.half_life is not None:
-            check_scalar(
-                "half_life", self.half_life, integer=False, low=0.0, open_low=True
-            )
-        check_scalar("standard_errors", self.standard_errors, integer=False, low=0.0)
-        for size in self.possible_num_microbatches:
-            check_positive_int("sizes", size)
-        if self.possible_num_microbatches[0] != self.min_microbatches or not (
-            self.possible_num_microbatches[-1] <= self.max_microbatches
+        set_field("step_cost", _static_step_cost(self.step_cost))
+        for name, hint in (
+            ("kappa", "The target is kappa * B_noise."),
+            ("tokens_per_example", "The mean tokens (weight) of an example."),
+            ("half_life", "In the controller's unit (examples, or tokens)."),
         ):
-            raise ValueError(
-                f"sizes must start at min_microbatches ({self.min_microbatches}) "
-                f"and end at most at max_microbatches ({self.max_microbatches}), "
-                f"got {self.sizes}."
-            )
+            if getattr(self, name) is not None:
+                positive = static_scalar(
+                    name,
+                    getattr(self, name),
+                    integer=False,
+                    low=0.0,
+                    open_low=True,
+                    hint=hint,
+                )
+                set_field(name, positive)
+        set_field(
+            "standard_errors",
+            static_scalar(
+                "standard_errors", self.standard_errors, integer=False, low=0.0
+            ),
+        )
+        set_field("shrink", _static_bool("shrink", self.shrink))
+        if self.sizes is not None:
+            set_field("sizes", _static_sizes(self.sizes))
+        _check_size_range(self)
+        _check_half_life(self)
 
     @property
     def possible_num_microbatches(self) -> tuple[int, ...]:
@@ -446,11 +558,24 @@ class NoiseScaleBatch:
         return tuple(range(self.min_microbatches, self.max_microbatches + 1))
 
     @property
+    def unit(self) -> str:
+        """The controller's unit: ``"examples"``, or ``"tokens"`` with
+        ``tokens_per_example``."""
+        return "examples" if self.tokens_per_example is None else "tokens"
+
+    @property
+    def microbatch_weight(self) -> float:
+        """A micro-batch in the controller's unit: ``microbatch_size``
+        examples, or ``microbatch_size * tokens_per_example`` tokens."""
+        return self.microbatch_size * (self.tokens_per_example or 1.0)
+
+    @property
     def effective_half_life(self) -> float:
-        """``half_life``, by default 8 of the largest windows' examples."""
+        """``half_life``, by default 8 of the largest windows (in the
+        controller's unit)."""
         if self.half_life is not None:
             return float(self.half_life)
-        return 8.0 * self.max_microbatches * self.microbatch_size
+        return 8.0 * self.max_microbatches * self.microbatch_weight
 
     @property
     def start_microbatches(self) -> int:
@@ -460,13 +585,13 @@ class NoiseScaleBatch:
         if self.kappa is not None:
             return self.min_microbatches
         sizes = self.possible_num_microbatches
-        # On the host (init may be traced): sizes and costs are static.
-        batches = np.asarray(sizes, np.float64) * self.microbatch_size
-        steps = 1.0 / batches[-1] + 1.0 / batches
         if self.step_cost == EXAMPLES_ONLY:
             return sizes[0]
         if self.step_cost == STEPS_ONLY:
             return sizes[-1]
+        # On the host (init may be traced): sizes and costs are static.
+        batches = np.asarray(sizes, np.float64) * self.microbatch_weight
+        steps = 1.0 / batches[-1] + 1.0 / batches
         return sizes[int(np.argmin(steps * (self.step_cost + batches)))]
 
     def init(self) -> NoiseScaleBatchState:
@@ -498,9 +623,13 @@ class NoiseScaleBatch:
 
         Raises:
           ValueError: for a concrete ``stats.big_batch`` that is NaN, infinite
-            or negative.
+            or negative; and, when the controller counts examples, for one
+            larger than the window's examples (``state.num_microbatches *
+            microbatch_size``): ``big_batch`` then counts tokens, and the
+            controller needs ``tokens_per_example``.
         """
         _check_big_batch(stats.big_batch)
+        _check_window_unit(self, state, stats.big_batch)
         totals = (stats.big_batch, stats.gradient_norm_sq, stats.gradient_noise_trace)
         return _noise_scale_update(self, state, *map(_float32, totals))
 
@@ -509,21 +638,199 @@ class NoiseScaleBatch:
         return int(state.num_microbatches)
 
     def effective_batch_size(self, state: NoiseScaleBatchState) -> int:
-        """The next window's ``num_microbatches * microbatch_size``."""
+        """The next window's ``num_microbatches * microbatch_size`` (examples)."""
         return self.num_microbatches(state) * self.microbatch_size
 
     def noise_scale(self, state: NoiseScaleBatchState) -> jax.Array:
         """The averaged $B_\\text{noise}$, in the unit of ``big_batch``; NaN
-        before any window with finite estimates."""
+        before any window with finite estimates, negative or infinite where
+        the averaged $|G|^2$ is not above 0 (the signal lost in the noise)."""
         moments = state.noise
         return moments.trace / moments.norm_sq
 
-    def predicted_time(self, batch: jax.Array, noise_scale: jax.Array) -> jax.Array:
-        """McCandlish's time to a loss, in units of ``S_min t_example``, of a
-        window of ``batch`` examples at a noise scale:
-        $(1 + B_\\text{noise} / B)(c + B)$ with $c$ the ``step_cost``
-        ($1 + B_\\text{noise} / B$ for ``STEPS_ONLY``)."""
-        return _predicted_time(self, batch, 1.0 / noise_scale)
+    def predicted_time(
+        self, batch: jax.typing.ArrayLike, noise_scale: jax.typing.ArrayLike
+    ) -> jax.Array:
+        """McCandlish's time to a loss of a window of ``batch`` at a noise
+        scale, in units of $S_\\min t_\\text{example}$:
+        $(1 + B_\\text{noise} / B)(c + B)$ with $c$ the ``step_cost``;
+        $1 + B_\\text{noise} / B$ (in units of $S_\\min t_\\text{step}$) for
+        ``STEPS_ONLY``. A float32 scalar, traceable.
+
+        A negative noise scale (what :meth:`noise_scale` reads where the
+        averaged $|G|^2$ is below 0: the signal lost in the noise) counts as
+        infinite, as the controller reads it: an infinite noise scale gives
+        an infinite time. A NaN one (no estimate yet) gives NaN.
+
+        Args:
+          batch: the window, in the controller's unit (examples, or tokens
+            with ``tokens_per_example``), a positive real scalar.
+          noise_scale: $B_\\text{noise}$ in the same unit, a real scalar
+            (NaN and infinities allowed).
+
+        Returns:
+          The predicted time, a float32 scalar.
+
+        Raises:
+          TypeError: for arguments that are not real scalars.
+          ValueError: for a ``batch`` that is not a positive finite number,
+            or a finite ``noise_scale`` beyond float32's range.
+
+        Examples:
+          >>> import jaxaccum
+          >>> controller = jaxaccum.noise_scale_batch(8, 16, step_cost=64)
+          >>> float(controller.predicted_time(64, 192))  # (1 + 3)(64 + 64)
+          512.0
+          >>> float(controller.predicted_time(64, float("inf")))
+          inf
+        """
+        check_scalar(
+            "batch",
+            batch,
+            integer=False,
+            low=0.0,
+            open_low=True,
+            hint=f"Pass a window's size in {self.unit}.",
+        )
+        _check_reading(
+            "noise_scale",
+            noise_scale,
+            hint=f"Pass B_noise in {self.unit}, e.g. controller.noise_scale(state).",
+        )
+        batch, noise_scale = _float32(batch), _float32(noise_scale)
+        steps = jnp.where(noise_scale < 0, jnp.inf, 1.0 + noise_scale / batch)
+        if self.step_cost == STEPS_ONLY:
+            return steps
+        return steps * (self.step_cost + batch)
+
+
+def _static_step_cost(value: Any) -> float:
+    """``step_cost`` as a Python float: ``>= 0``, or infinite (STEPS_ONLY)."""
+    try:
+        return static_scalar(
+            "step_cost",
+            value,
+            integer=False,
+            low=0.0,
+            hint="Pass a cost in the controller's unit (examples, or tokens with "
+            "tokens_per_example), or jaxaccum.STEPS_ONLY for the largest window.",
+        )
+    except ValueError:
+        if float(np.asarray(value)) == STEPS_ONLY:
+            return STEPS_ONLY
+        raise
+
+
+def _static_sizes(sizes: Any) -> tuple[int, ...]:
+    """``sizes`` as a tuple of Python ints: a non-empty sequence of counts."""
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Iterable):
+        raise TypeError(
+            "sizes must be a sequence of window sizes (micro-batches), e.g. "
+            f"(2, 4, 8), or None for every size; got {sizes!r}."
+        )
+    converted = tuple(
+        _static_count(f"sizes[{index}]", size) for index, size in enumerate(sizes)
+    )
+    if not converted:
+        raise ValueError(
+            "sizes is empty: pass the allowed window sizes (micro-batches), e.g. "
+            "(2, 4, 8), or None for every size from min_microbatches to "
+            "max_microbatches."
+        )
+    return converted
+
+
+def _check_size_range(controller: NoiseScaleBatch) -> None:
+    """``sizes`` must start at ``min_microbatches`` and stay within
+    ``max_microbatches``; the message says which argument to change."""
+    sizes = controller.possible_num_microbatches
+    low, high = controller.min_microbatches, controller.max_microbatches
+    fixes = []
+    if sizes[0] != low:
+        fixes.append(
+            f"pass min_microbatches={sizes[0]}"
+            if sizes[0] >= 2
+            else "drop 1 (one micro-batch measures no noise scale)"
+        )
+    if sizes[-1] > high:
+        fixes.append(f"pass max_microbatches={sizes[-1]}, or drop sizes above {high}")
+    if fixes:
+        raise ValueError(
+            f"sizes must start at min_microbatches ({low}) and end at most at "
+            f"max_microbatches ({high}), got {controller.sizes}: "
+            f"{'; '.join(fixes)}."
+        )
+
+
+# The averages' effective windows, weight**2 / weight_sq, tend to
+# (1 + k) / (1 - k) for windows of B with k = 2**(-B / half_life): the
+# controller's _MIN_EFFECTIVE_WINDOWS = 4 needs k >= 3/5, half_life >= 1.36 B.
+# Two largest windows give 5.83, reached after 5 windows.
+_MIN_HALF_LIFE_WINDOWS = 2.0
+# A window of B whose weight 1 - 2**(-B / half_life) float32 keeps above 0.
+_MAX_HALF_LIFE_WINDOWS = 2.0**24
+
+
+def _check_half_life(controller: NoiseScaleBatch) -> None:
+    """Refuses a half-life under which the averages could never hold 4
+    effective windows of the largest size (the window would never move), or
+    could never take in one of the smallest (its weight 0 in float32)."""
+    sizes, unit = controller.possible_num_microbatches, controller.unit
+    largest = sizes[-1] * controller.microbatch_weight
+    smallest = sizes[0] * controller.microbatch_weight
+    half_life = controller.effective_half_life
+    named = f"half_life={half_life:g}" + (
+        " (the default, 8 largest windows)" if controller.half_life is None else ""
+    )
+    units = (
+        ""
+        if controller.tokens_per_example
+        else "; if big_batch counts tokens, pass tokens_per_example"
+    )
+    if half_life < _MIN_HALF_LIFE_WINDOWS * largest:
+        keep = 2.0 ** (-largest / half_life)
+        raise ValueError(
+            f"{named} is too short for windows of up to {largest:g} {unit}: "
+            "after windows of B the averages hold at most (1 + k) / (1 - k) "
+            f"effective windows, k = 2**(-B / half_life), here "
+            f"{(1 + keep) / (1 - keep):.2f}, and the controller moves from "
+            f"{_MIN_EFFECTIVE_WINDOWS:g} on: it would never move. Pass "
+            f"half_life >= 2 largest windows = {2 * largest:g} {unit} (5.83 "
+            f"effective windows), or smaller windows{units}."
+        )
+    if half_life > _MAX_HALF_LIFE_WINDOWS * smallest:
+        raise ValueError(
+            f"{named} is too long for windows of {smallest:g} {unit}: their "
+            "weight in the averages, 1 - 2**(-B / half_life), is 0 in float32, "
+            "where the averages are kept, so they would never count. Pass "
+            f"half_life <= 2**24 smallest windows = "
+            f"{_MAX_HALF_LIFE_WINDOWS * smallest:g} {unit}{units}."
+        )
+
+
+def _check_window_unit(
+    controller: NoiseScaleBatch, state: NoiseScaleBatchState, big_batch: Any
+) -> None:
+    """Counting examples, a concrete window cannot hold more than its
+    micro-batches' examples: more is another unit (tokens)."""
+    num = state.num_microbatches
+    if controller.tokens_per_example is not None or any(
+        isinstance(value, jax.core.Tracer) for value in (big_batch, num)
+    ):
+        return
+    examples = int(num) * controller.microbatch_size
+    # A window's total is a float32 sum of its micro-batches' weights: allow
+    # its rounding (2**-24 a term) with room to spare.
+    if float(np.asarray(big_batch)) > examples * (1.0 + 2.0**-16):
+        raise ValueError(
+            f"stats.big_batch is {float(np.asarray(big_batch)):g}, more than the "
+            f"{examples} examples of the window's {int(num)} micro-batches of "
+            f"microbatch_size={controller.microbatch_size}: it counts another "
+            "unit (tokens, with reduction='weighted'). Pass tokens_per_example= "
+            "(the mean tokens per example) to noise_scale_batch, with step_cost "
+            "and half_life in tokens; or, if the window ran larger micro-batches, "
+            "the microbatch_size it ran."
+        )
 
 
 def _check_big_batch(big_batch: Any) -> None:
@@ -550,11 +857,12 @@ def _window_is_valid(big_batch: jax.Array, seen: jax.Array) -> jax.Array:
     return jnp.isfinite(big_batch) & (big_batch >= 0) & jnp.isfinite(seen)
 
 
-def _predicted_time(
+def _scaled_time(
     controller: NoiseScaleBatch, batch: jax.Array, phi: jax.Array
 ) -> jax.Array:
-    """``(1 + B_noise / B)(c + B)`` times ``phi`` (a constant factor), which
-    stays finite for ``phi <= 0`` (an infinite noise scale)."""
+    """The predicted time ``(1 + B_noise / B)(c + B)`` times ``phi =
+    1 / B_noise`` (a factor common to every size, so the best size is the
+    same), which stays finite for ``phi <= 0`` (an infinite noise scale)."""
     phi = jnp.maximum(phi, 0.0)
     steps = (phi * batch + 1.0) / batch
     if controller.step_cost == STEPS_ONLY:
@@ -562,7 +870,7 @@ def _predicted_time(
     return steps * (controller.step_cost + batch)
 
 
-def _microbatch_weight(state: NoiseScaleBatchState) -> jax.Array:
+def _measured_microbatch_weight(state: NoiseScaleBatchState) -> jax.Array:
     count = jnp.maximum(state.microbatches_seen, 1).astype(jnp.float32)
     return state.examples_seen / count
 
@@ -580,7 +888,7 @@ def _best_size(
     elif controller.step_cost == EXAMPLES_ONLY:
         score = batches
     else:
-        score = _predicted_time(controller, batches, phi)
+        score = _scaled_time(controller, batches, phi)
     return sizes[jnp.argmin(score)]
 
 
@@ -590,7 +898,7 @@ def _next_size(controller: NoiseScaleBatch, state: NoiseScaleBatchState) -> jax.
     the end of that band nearest the current window."""
     reading = _read_moments(state.noise)
     band = controller.standard_errors * reading.standard_error
-    weight = _microbatch_weight(state)
+    weight = _measured_microbatch_weight(state)
     phi = reading.inverse_noise_scale
     # A larger phi (a smaller noise scale) is a smaller target.
     smallest = _best_size(controller, phi + band, weight)
@@ -640,6 +948,7 @@ def noise_scale_batch(
     standard_errors: float = 1.0,
     sizes: Sequence[int] | None = None,
     shrink: bool = False,
+    tokens_per_example: float | None = None,
 ) -> NoiseScaleBatch:
     r"""Sizes each window for the least predicted time to the same progress.
 
@@ -657,11 +966,27 @@ def noise_scale_batch(
     window that measures; ``step_cost=math.inf`` (:data:`STEPS_ONLY`) takes
     the largest.
 
+    The unit. Every quantity with a unit (``step_cost``, ``half_life``,
+    $B_\text{noise}$, the windows) is in the unit of
+    ``WindowStats.big_batch``: examples, or, with ``reduction="weighted"``,
+    the weight the loss returns (tokens, say). Counting tokens, pass
+    ``tokens_per_example`` (the mean tokens per example) and ``step_cost``
+    and ``half_life`` in tokens: a micro-batch is then ``microbatch_size *
+    tokens_per_example`` tokens for the start and the default half-life, and
+    the run makes the same decisions as the same run counted in examples.
+    Counting examples, a window whose ``big_batch`` exceeds its examples is
+    refused (concrete) as a unit mix-up.
+
     The estimate. The $|G|^2$ and $\operatorname{tr}(\Sigma)$ estimates are
     averaged over examples seen, not windows: a window of $B$ examples
     decays the averages by $2^{-B/h}$ for a ``half_life`` $h$, so runs with
     different windows average over the same stretch of training and read the
-    same $B_\text{noise}$ at the same examples seen.
+    same $B_\text{noise}$ at the same examples seen. The averages hold
+    ``weight**2 / weight_sq`` effective windows, at most $(1 + k) / (1 - k)$
+    for windows of $B$, $k = 2^{-B/h}$, and the controller moves from 4 on:
+    ``half_life`` must be at least 2 of the largest windows (5.83 effective
+    windows at most, reached after 5 of them; shorter, a window of the
+    largest size would never move).
 
     The start. With no estimate yet, the first window is the one of least
     predicted time if $B_\text{noise}$ were the largest window's batch
@@ -690,9 +1015,9 @@ def noise_scale_batch(
       $r$, the window is off by $\sqrt{r}$ and the time at most
       $(2 + \sqrt{r} + 1/\sqrt{r}) / 4$ times the best: 1.13x for $r = 4$,
       1.56x for $r = 16$. Measure it with :func:`measure_step_cost`.
-    * ``half_life``: 8 largest windows' examples; short enough to follow a
-      noise scale that grows as the loss falls, long enough for about 23
-      windows of the largest size in the average.
+    * ``half_life``: 8 largest windows (in the controller's unit); short
+      enough to follow a noise scale that grows as the loss falls, long
+      enough for about 23 windows of the largest size in the average.
     * ``standard_errors=1``: one standard error; 0 moves to the estimate's
       target (with noisy windows, a grow-only window then ratchets up on
       noise), a wider band moves later and less far.
@@ -716,27 +1041,41 @@ def noise_scale_batch(
       max_microbatches: the largest window, ``>= min_microbatches``.
       min_microbatches: the smallest window, ``>= 2`` (the first with
         ``kappa``).
-      step_cost: $t_\text{step} / t_\text{example}$, in the unit of
-        ``big_batch``: ``>= 0``, or ``math.inf``.
+      step_cost: $t_\text{step} / t_\text{example}$, in the controller's
+        unit (examples, or tokens with ``tokens_per_example``): ``>= 0``, or
+        ``math.inf``.
       kappa: if given, target $\kappa B_\text{noise}$ (McCandlish's
         critical batch for $\kappa = 1$) instead, nearest in log;
         ``step_cost`` is then unused.
-      half_life: of the averages, in examples (in the unit of ``big_batch``:
-        pass it for tokens); positive.
+      half_life: of the averages, in the controller's unit; at least 2
+        largest windows, at most $2^{24}$ smallest ones (whose weight would
+        be 0 in float32).
       standard_errors: the band's half-width, in standard errors; ``>= 0``.
       sizes: the allowed window sizes (micro-batches), from
         ``min_microbatches`` up to ``max_microbatches``.
-      shrink: allow the window to shrink, with 2x hysteresis.
+      shrink: allow the window to shrink, with 2x hysteresis; a bool.
+      tokens_per_example: ``None`` (``big_batch`` counts examples), or the
+        mean tokens per example: ``big_batch``, ``step_cost`` and
+        ``half_life`` then count tokens. Positive.
+
+    Every number may be a Python, NumPy or concrete JAX scalar; the
+    controller keeps Python numbers (it is a static argument of its jitted
+    update).
 
     Returns:
       A :class:`NoiseScaleBatch` (``init``, ``update``, ``num_microbatches``,
       ``noise_scale``).
 
     Raises:
+      TypeError: naming the argument, for a count that is not an int, a
+        number that is not a concrete real scalar, ``shrink`` not a bool, or
+        ``sizes`` not a sequence.
       ValueError: naming the argument, for ``min_microbatches < 2``,
         ``max_microbatches < min_microbatches``, a non-positive count,
-        ``kappa`` or ``half_life``, a negative ``step_cost`` or
-        ``standard_errors``, or ``sizes`` outside the range.
+        ``kappa``, ``half_life`` or ``tokens_per_example``, a negative
+        ``step_cost`` or ``standard_errors``, a number float32 cannot hold,
+        empty ``sizes`` or ``sizes`` outside the range (saying which
+        argument to change), or a ``half_life`` out of its bounds.
 
     Examples:
       >>> import jax
@@ -775,8 +1114,9 @@ def noise_scale_batch(
         kappa,
         half_life,
         standard_errors,
-        None if sizes is None else tuple(sizes),
+        sizes,  # type: ignore[arg-type]  # any sequence; stored as a tuple
         shrink,
+        tokens_per_example,
     )
 
 
@@ -800,6 +1140,10 @@ class StepCost(NamedTuple):
     example_seconds: float
     step_cost: float
     step_cost_error: float
+
+
+# Timings per size: the median of fewer is the least, or midway to one other.
+_MIN_REPEATS = 3
 
 
 def measure_step_cost(
@@ -828,15 +1172,18 @@ def measure_step_cost(
       num_microbatches: the two sizes ``(small, large)``, ``small < large``:
         ``small`` small, for a precise $t_\\text{step}$, ``large`` far from
         it, for a precise slope.
-      repeats: calls per size; the least time counts, the median's distance
-        from it is the timing's scatter.
+      repeats: calls per size, at least 3; the least time counts, the
+        median's distance from it is the timing's scatter.
 
     Returns:
       A :class:`StepCost`.
 
     Raises:
-      ValueError: for sizes not increasing; when the larger window was not
-        slower (timing noise: choose sizes further apart); when
+      TypeError: for a ``window_step`` that is not callable, counts that are
+        not ints, or ``num_microbatches`` not a pair.
+      ValueError: for fewer than 3 ``repeats`` (no scatter to judge the
+        result by); for sizes not two, or not increasing; when the larger
+        window was not slower (timing noise: choose sizes further apart); when
         $t_\\text{step}$ is not resolved: no larger than the timing's scatter
         carried back to no examples (the message gives the bound: if it is
         small against your batch, pass ``step_cost=EXAMPLES_ONLY``; otherwise
@@ -854,15 +1201,22 @@ def measure_step_cost(
       >>> 80 < cost.step_cost < 125  # 10 ms / 0.1 ms = 100 examples
       True
     """
-    check_positive_int("microbatch_size", microbatch_size)
-    check_positive_int("repeats", repeats)
-    small, large = num_microbatches
-    check_positive_int("num_microbatches[0]", small)
-    check_positive_int("num_microbatches[1]", large)
-    if not small < large:
-        raise ValueError(
-            f"num_microbatches must be two increasing sizes, got {num_microbatches}."
+    if not callable(window_step):
+        raise TypeError(
+            "window_step must be a function of the window's number of "
+            f"micro-batches that runs one training step, got {window_step!r}."
         )
+    microbatch_size = _static_count("microbatch_size", microbatch_size)
+    repeats = static_scalar(
+        "repeats",
+        repeats,
+        integer=True,
+        low=_MIN_REPEATS,
+        hint="The least timing is the time and the median's distance from it the "
+        "scatter: fewer than 3 timings give no scatter (one gives 0), so a "
+        "hiccup would pass as the step's cost.",
+    )
+    small, large = _size_pair(num_microbatches)
     seconds: dict[int, list[float]] = {small: [], large: []}
     for num in seconds:
         jax.block_until_ready(window_step(num))
@@ -874,6 +1228,29 @@ def measure_step_cost(
     return _solve_step_cost(
         seconds[small], seconds[large], small * microbatch_size, large * microbatch_size
     )
+
+
+def _size_pair(num_microbatches: Any) -> tuple[int, int]:
+    """``num_microbatches`` as two increasing Python ints, or a clear error."""
+    shown = (
+        "num_microbatches must be a pair (small, large) of increasing window "
+        f"sizes, e.g. (1, 8), got {num_microbatches!r}"
+    )
+    try:
+        sizes = tuple(num_microbatches)
+    except TypeError:
+        raise TypeError(f"{shown}.") from None
+    if len(sizes) != 2:
+        raise ValueError(f"{shown}: {len(sizes)} sizes.")
+    small, large = (
+        _static_count(f"num_microbatches[{index}]", size)
+        for index, size in enumerate(sizes)
+    )
+    if not small < large:
+        raise ValueError(
+            f"num_microbatches must be two increasing sizes, got {num_microbatches}."
+        )
+    return small, large
 
 
 def _solve_step_cost(
@@ -916,118 +1293,6 @@ def _solve_step_cost(
     )
 
 
-OptimizerFamily = Literal["sgd", "adam"]
-"""How :func:`ramp_from_schedule` trades the learning rate for the batch."""
-
-
-class ScheduleRamp(NamedTuple):
-    """A learning-rate decay turned into a batch ramp.
-
-    Attributes:
-      ramp: the :class:`BatchRamp`, by examples seen.
-      learning_rate: the learning rate that goes with it, a schedule of
-        examples seen: pass it to ``scale_by_batch_learning_rate(...,
-        rule="none")`` (it already holds the batch's factor).
-    """
-
-    ramp: BatchRamp
-    learning_rate: Callable[[jax.Array], jax.Array]
-
-
-def ramp_from_schedule(
-    schedule: Callable[[Any], Any],
-    microbatch_size: int,
-    num_microbatches: int,
-    max_microbatches: int,
-    total_examples: int,
-    *,
-    optimizer: OptimizerFamily = "adam",
-    points: int = 256,
-) -> ScheduleRamp:
-    """Turns a learning-rate decay into a batch ramp and its learning rate.
-
-    Where ``schedule`` (a learning rate by examples seen, tuned for windows of
-    ``num_microbatches``) has fallen by a factor $\\alpha < 1$ from its peak
-    so far, the window is multiplied by $1/\\alpha$ (rounded down, clamped at
-    ``max_microbatches``) and the learning rate becomes
-    ``schedule(e) * (N / num_microbatches) ** p``: for ``"sgd"`` $p = 1$, so
-    the rate stays at its peak while the batch grows (Smith et al. 2018); for
-    ``"adam"`` $p = 1/2$, Seesaw's rule (Meterez et al. 2025): where the
-    schedule would halve the rate, double the batch and multiply the rate by
-    $1/\\sqrt{2}$. Once the window is at its maximum the rate decays as the
-    schedule does. A warm-up (the schedule rising) is kept as it is.
-
-    The trade holds where a bigger batch costs no extra examples, well below
-    the noise scale; beyond it the ramp spends more examples than the decay at
-    the batch it was tuned for. Judge it against that decay at a fixed batch:
-    on this repository's benchmarks (``benchmarks/growth.py cost``) it lost to
-    it, saving time only against the decay at its smallest window where steps
-    are expensive.
-
-    Args:
-      schedule: the learning rate by examples seen (``optax`` schedules work
-        when given examples seen as their count).
-      microbatch_size: examples per micro-batch.
-      num_microbatches: the window ``schedule`` was tuned for.
-      max_microbatches: the largest window.
-      total_examples: the run's length; the schedule is read at ``points``
-        even steps of it.
-      optimizer: ``"adam"`` (Seesaw) or ``"sgd"`` (Smith et al.).
-      points: where the ramp may change.
-
-    Returns:
-      A :class:`ScheduleRamp` ``(ramp, learning_rate)``.
-
-    Examples:
-      >>> import optax, jaxaccum
-      >>> decay = optax.piecewise_constant_schedule(1.0, {1000: 0.5, 2000: 0.5})
-      >>> built = jaxaccum.ramp_from_schedule(decay, 8, 2, 16, 3000, points=3)
-      >>> built.ramp.schedule
-      ((0, 2), (1000, 4), (2000, 8))
-      >>> round(float(built.learning_rate(2500.0)), 4)  # 0.25 * sqrt(4)
-      0.5
-
-    References:
-      Smith et al., 2018, "Don't Decay the Learning Rate, Increase the Batch
-      Size", https://arxiv.org/abs/1711.00489. Meterez et al., 2025,
-      "Seesaw: Accelerating Training by Balancing Learning Rate and Batch
-      Size Scheduling", https://arxiv.org/abs/2510.14717
-    """
-    for name, value in (
-        ("microbatch_size", microbatch_size),
-        ("num_microbatches", num_microbatches),
-        ("max_microbatches", max_microbatches),
-        ("total_examples", total_examples),
-        ("points", points),
-    ):
-        check_positive_int(name, value)
-    if optimizer not in typing.get_args(OptimizerFamily):
-        raise ValueError(f'optimizer must be "adam" or "sgd", got {optimizer!r}.')
-    power = 1.0 if optimizer == "sgd" else 0.5
-    sizes: dict[int, int] = {}
-    peak = 0.0
-    for point in range(points):
-        examples = total_examples * point // points
-        rate = float(schedule(examples))
-        peak = max(peak, rate)
-        factor = peak / rate if rate > 0 else (math.inf if peak > 0 else 1.0)
-        size = min(max_microbatches, math.floor(num_microbatches * factor + 1e-6))
-        size = max(size, num_microbatches)
-        if not sizes or size != list(sizes.values())[-1]:
-            sizes[examples] = size
-    ramp = batch_ramp(microbatch_size, sizes)
-    keys = jnp.asarray(list(sizes), jnp.float32)
-    factors = (
-        jnp.asarray(list(sizes.values()), jnp.float32) / num_microbatches
-    ) ** power
-
-    def learning_rate(examples_seen: jax.Array) -> jax.Array:
-        index = jnp.searchsorted(keys, examples_seen, side="right") - 1
-        return _float32(schedule(examples_seen)) * factors[index]
-
-    return ScheduleRamp(ramp, learning_rate)
-
-
 def _check_rule(rule: str) -> None:
     if rule not in LEARNING_RATE_RULES:
         raise ValueError(
@@ -1057,19 +1322,30 @@ def batch_scale(
       base batch's gradient variance and :math:`\mu^2 = |G|^2` (Johnson et
       al. 2020): :math:`S` when noise dominates, 1 when the gradient does. The
       estimates are clipped at 0 (an average :math:`|G|^2` can come out
-      negative: noise dominates) and the gain clamped to
-      :math:`[\min(1, S), \max(1, S)]`; missing or NaN estimates give 1.
+      negative: noise dominates; so does :math:`-\infty`) and the gain
+      clamped to :math:`[\min(1, S), \max(1, S)]`; missing, NaN or
+      :math:`+\infty` estimates give 1.
 
     Args:
       rule: one of ``"sqrt"``, ``"linear"``, ``"none"``, ``"adascale"``.
-      batch_size: the window's batch, in the unit of ``base_batch``.
-      base_batch: the batch the base learning rate was tuned for.
-      gradient_norm_sq: for ``"adascale"``, the averaged :math:`|G|^2`.
+      batch_size: the window's batch, in the unit of ``base_batch``: a real
+        scalar ``>= 0`` (traceable).
+      base_batch: the batch the base learning rate was tuned for, a positive
+        real scalar.
+      gradient_norm_sq: for ``"adascale"``, the averaged :math:`|G|^2`: a
+        real scalar (shape ``()``; NaN or infinite allowed).
       gradient_noise_trace: for ``"adascale"``, the averaged
-        :math:`\operatorname{tr}(\Sigma)`.
+        :math:`\operatorname{tr}(\Sigma)`, likewise.
 
     Returns:
       The factor, a float32 scalar.
+
+    Raises:
+      TypeError: naming the argument, for one that is not a real scalar
+        (an array of estimates would give a learning rate per element).
+      ValueError: naming the argument, for an unknown ``rule``, a
+        non-positive ``base_batch``, a negative or non-finite ``batch_size``,
+        or a finite number float32 cannot hold.
 
     Examples:
       >>> import jaxaccum
@@ -1079,7 +1355,35 @@ def batch_scale(
       2.5
     """
     _check_rule(rule)
-    check_scalar("base_batch", base_batch, integer=False, low=0, open_low=True)
+    _check_base_batch(base_batch)
+    _check_batch_size(batch_size)
+    for name, estimate in (
+        ("gradient_norm_sq", gradient_norm_sq),
+        ("gradient_noise_trace", gradient_noise_trace),
+    ):
+        if estimate is not None:
+            _check_reading(
+                name,
+                estimate,
+                hint="Pass the averaged estimate, a scalar (NaN where none yet).",
+            )
+    return _batch_factor(
+        rule, batch_size, base_batch, gradient_norm_sq, gradient_noise_trace
+    )
+
+
+def _check_base_batch(base_batch: Any) -> None:
+    check_scalar(
+        "base_batch",
+        base_batch,
+        integer=False,
+        low=0,
+        open_low=True,
+        hint="Pass the batch the learning rate was tuned for.",
+    )
+
+
+def _check_batch_size(batch_size: Any) -> None:
     check_scalar(
         "batch_size",
         batch_size,
@@ -1087,6 +1391,16 @@ def batch_scale(
         low=0,
         hint="Pass the window's total, e.g. batch_size=stats.big_batch.",
     )
+
+
+def _batch_factor(
+    rule: str,
+    batch_size: jax.typing.ArrayLike,
+    base_batch: jax.typing.ArrayLike,
+    gradient_norm_sq: jax.typing.ArrayLike | None,
+    gradient_noise_trace: jax.typing.ArrayLike | None,
+) -> jax.Array:
+    """:func:`batch_scale` of checked arguments."""
     scale = _float32(batch_size) / _float32(base_batch)
     if rule == "none":
         return jnp.ones_like(scale)
@@ -1101,7 +1415,7 @@ def _adascale_gain(
     scale: jax.Array,
     gradient_norm_sq: jax.typing.ArrayLike | None,
     gradient_noise_trace: jax.typing.ArrayLike | None,
-    base_batch: float,
+    base_batch: jax.typing.ArrayLike,
 ) -> jax.Array:
     nan = jnp.full((), jnp.nan, jnp.float32)
     mean_sq = nan if gradient_norm_sq is None else _float32(gradient_norm_sq)
@@ -1164,17 +1478,24 @@ def scale_by_batch_learning_rate(
       base_batch: the batch ``learning_rate`` was tuned for, positive.
       rule: ``"sqrt"`` (default, for Adam-type optimizers), ``"linear"``,
         ``"none"`` or ``"adascale"`` (for SGD).
-      noise_decay: the EMA decay of the estimates, for ``"adascale"``.
+      noise_decay: the EMA decay of the estimates, for ``"adascale"``, in
+        ``[0, 1)``.
       flip_sign: negate the updates, as ``optax.scale_by_learning_rate``
-        does (gradient descent).
+        does (gradient descent); a bool.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       :class:`ScaleByBatchState` and whose ``update`` takes ``batch_size=``
-      (and ``noise_estimates=`` for ``"adascale"``).
+      (a real scalar ``>= 0``) and, for ``"adascale"``,
+      ``noise_estimates=`` (whose two estimates are real scalars); it raises
+      for either otherwise, naming it.
 
     Raises:
-      ValueError: for an unknown ``rule``, or a non-positive ``base_batch``.
+      TypeError: naming the argument, for a number that is not a real
+        scalar, or ``flip_sign`` not a bool.
+      ValueError: naming the argument, for an unknown ``rule``, a
+        non-positive ``base_batch``, a ``noise_decay`` outside ``[0, 1)``,
+        or a number float32 cannot hold.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -1195,8 +1516,9 @@ def scale_by_batch_learning_rate(
       0.002
     """
     _check_rule(rule)
-    check_scalar("base_batch", base_batch, integer=False, low=0, open_low=True)
-    check_scalar("noise_decay", noise_decay, integer=False, low=0)
+    _check_base_batch(base_batch)
+    noise_decay = check_decay("noise_decay", noise_decay)
+    flip_sign = _static_bool("flip_sign", flip_sign)
     schedule = learning_rate if callable(learning_rate) else None
     if schedule is None:
         check_scalar(
@@ -1227,9 +1549,10 @@ def scale_by_batch_learning_rate(
                 "scale_by_batch_learning_rate needs the window's batch: "
                 "update(..., batch_size=stats.big_batch)."
             )
+        _check_batch_size(batch_size)
         noise = _fold_estimates(ema, state.noise, rule, noise_estimates)
         base_rate = learning_rate if schedule is None else schedule(state.examples_seen)
-        factor = batch_scale(
+        factor = _batch_factor(
             rule,
             batch_size,
             base_batch,
@@ -1265,6 +1588,12 @@ def _fold_estimates(
                 "update(..., batch_size=stats.big_batch, noise_estimates=stats)."
             )
         return noise
+    for name in ("gradient_norm_sq", "gradient_noise_trace"):
+        _check_reading(
+            f"noise_estimates.{name}",
+            getattr(noise_estimates, name),
+            hint="Pass the window's WindowStats (or NoiseEstimates).",
+        )
     estimates = NoiseEstimates(
         _float32(noise_estimates.gradient_norm_sq),
         _float32(noise_estimates.gradient_noise_trace),

@@ -15,10 +15,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum._options import check_scalar
+from jaxaccum._options import static_scalar
 
 
 def in_stats_precision(leaf: Any) -> jax.Array:
@@ -236,6 +237,27 @@ class NoiseScaleState(NamedTuple):
     num_windows: jax.Array
 
 
+def check_decay(name: str, value: Any) -> float:
+    """An EMA's decay, ``value``, as a Python float in ``[0, 1)``, or an error
+    naming the argument ``name`` the user passed it as.
+
+    Raises:
+      TypeError: for a value that is not a concrete real scalar.
+      ValueError: for a value outside ``[0, 1)``, or one that float32, where
+        the averages are kept, rounds to 1 (then no window is ever taken in).
+    """
+    hint = "Pass a decay in [0, 1), e.g. 0.95."
+    decay = static_scalar(name, value, integer=False, low=0.0, high=1.0, hint=hint)
+    if np.float32(decay) == 1.0:
+        raise ValueError(
+            f"{name} must be in [0, 1), got {decay!r}"
+            + (", which float32 rounds to 1" if decay < 1.0 else "")
+            + ": the averages are kept in float32, and a decay of 1 never takes "
+            f"a window in. {hint}"
+        )
+    return decay
+
+
 class NoiseScaleEMA:
     r"""Running :math:`B_\text{simple}`: averages of :math:`|G|^2` and
     :math:`\operatorname{tr}(\Sigma)`, divided.
@@ -247,6 +269,15 @@ class NoiseScaleEMA:
     (:math:`1 - \text{decay}^{\text{num\_windows}}`),
     and :meth:`noise_scale` divides the averages. Windows with a NaN or
     infinite estimate (one micro-batch, a non-finite gradient) are skipped.
+
+    Args:
+      decay: the averages' decay per window, a real number in ``[0, 1)``
+        (a Python, NumPy or concrete JAX scalar; kept as a Python float).
+
+    Raises:
+      TypeError: for a ``decay`` that is not a concrete real scalar.
+      ValueError: for a ``decay`` outside ``[0, 1)``, or so close to 1 that
+        float32 rounds it to 1.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -263,10 +294,7 @@ class NoiseScaleEMA:
     """
 
     def __init__(self, decay: float = 0.99):
-        check_scalar("decay", decay, integer=False, low=0)
-        if not decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay!r}.")
-        self.decay = decay
+        self.decay = check_decay("decay", decay)
 
     def init(self) -> NoiseScaleState:
         """The state before any window."""

@@ -23,7 +23,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from hypothesis import strategies as st
-from noise_population import mean_loss, population, sample, truth
+from noise_population import mean_loss, per_example_loss, population, sample, truth
 
 import jaxaccum
 from jaxaccum._growth import (
@@ -451,32 +451,6 @@ def test_measure_step_cost_error_and_refusal(monkeypatch, step_seconds):
     np.testing.assert_allclose(cost.step_cost_error, 0.004 * 32 / 28 / 0.001, rtol=1e-9)
 
 
-@pytest.mark.parametrize(("optimizer", "power"), [("sgd", 1.0), ("adam", 0.5)])
-def test_ramp_from_schedule_trades_each_decay_for_the_batch(optimizer, power):
-    decay = optax.piecewise_constant_schedule(0.8, {1000: 0.5, 2000: 0.5, 3000: 0.5})
-    built = jaxaccum.ramp_from_schedule(
-        decay, 8, 2, 8, 4000, optimizer=optimizer, points=8
-    )
-    # The rate halves three times; the window doubles twice, up to its 8.
-    assert built.ramp.schedule == ((0, 2), (1000, 4), (2000, 8)), built.ramp.schedule
-    for seen, batch_factor in ((500, 1), (1500, 2), (2500, 4), (3500, 4)):
-        expected = float(decay(seen)) * batch_factor**power
-        np.testing.assert_allclose(
-            built.learning_rate(jnp.float32(seen)), expected, rtol=4 * UNIT_ROUNDOFF
-        )
-    # SGD keeps the peak rate while the batch grows (Smith et al.); Seesaw
-    # multiplies it by 1/sqrt(2) per doubling.
-    assert float(built.learning_rate(jnp.float32(2500))) == pytest.approx(
-        0.8 if optimizer == "sgd" else 0.4, rel=1e-6
-    )
-
-
-def test_ramp_from_schedule_keeps_a_warmup():
-    warmup = optax.linear_schedule(0.0, 1.0, transition_steps=1000)
-    built = jaxaccum.ramp_from_schedule(warmup, 8, 2, 8, 2000, points=8)
-    assert built.ramp.schedule == ((0, 2),), built.ramp.schedule
-
-
 # Learning-rate rules. base_batch and the batches are powers of two, so the
 # ratio S is exact; "linear" is then exact and "sqrt" one rounding from
 # sqrt(S) (and sqrt(2 S) / sqrt(S) two roundings from sqrt(2)).
@@ -516,6 +490,8 @@ def test_adascale_gain_is_the_formula_and_between_1_and_s(norm_sq, trace, batch)
         (-1.0, 5.0, 4.0),  # an average |G|^2 below 0 is noise only too
         (3.0, 0.0, 1.0),  # no noise: 1
         (float("nan"), 5.0, 1.0),  # no estimate yet: 1
+        (float("inf"), 5.0, 1.0),  # an overflowed estimate: 1 too
+        (-float("inf"), 5.0, 4.0),  # clipped at 0: noise only
         (0.0, 0.0, 1.0),
     ],
 )
@@ -659,3 +635,297 @@ def test_traced_nan_batch_is_not_counted():
     assert np.all(np.isnan(updates)) and float(state.examples_seen) == 0.0
     _, state = update(jnp.ones(2), state, batch_size=jnp.float32(64.0))
     assert float(state.examples_seen) == 64.0
+
+
+# Issue 35: each case gives the documented number, or jaxaccum's own error
+# naming the argument.
+
+
+@pytest.mark.parametrize(
+    ("step_cost", "batch", "noise_scale", "expected"),
+    [
+        # (1 + B_noise / B)(c + B), every step exact in float32.
+        (64.0, 64.0, 192.0, 4.0 * 128.0),
+        (1024.0, 1024.0, 12_364.0, (1.0 + 12_364.0 / 1024.0) * 2048.0),
+        (jaxaccum.EXAMPLES_ONLY, 64.0, 192.0, 4.0 * 64.0),
+        (jaxaccum.STEPS_ONLY, 11.0, 11.0, 2.0),  # 1 + B_noise / B
+        (64.0, 64.0, 0.0, 128.0),  # no noise: c + B
+        (64.0, 64.0, float("inf"), float("inf")),
+        (64.0, 64.0, -5.0, float("inf")),  # |G|^2 below 0: lost in the noise
+        (jaxaccum.STEPS_ONLY, 64.0, float("inf"), float("inf")),
+    ],
+)
+def test_predicted_time_is_the_documented_formula(
+    step_cost, batch, noise_scale, expected
+):
+    """It returned the formula divided by B_noise (2.17 for 12,364 examples
+    at c = B = 1,024, where the formula gives 26,776; 0.18 for 11 with
+    STEPS_ONLY, for 2) and a finite time for an infinite noise scale."""
+    controller = noise_scale_batch(8, 64, step_cost=step_cost, sizes=(2, 64))
+    got = float(controller.predicted_time(batch, noise_scale))
+    assert got == expected, (step_cost, batch, noise_scale, got, expected)
+
+
+def test_predicted_time_of_no_estimate_is_nan_and_its_arguments_are_checked():
+    controller = noise_scale_batch(8, 64)
+    assert np.isnan(
+        controller.predicted_time(64.0, controller.noise_scale(controller.init()))
+    )
+    with pytest.raises(ValueError, match=r"batch must be > 0.0, got 0.0"):
+        controller.predicted_time(0.0, 64.0)
+    with pytest.raises(TypeError, match=r"batch must be a real scalar.*shape \(2,\)"):
+        controller.predicted_time(np.ones(2), 64.0)
+    with pytest.raises(TypeError, match="noise_scale must be a real scalar.*str"):
+        controller.predicted_time(64.0, "64")
+
+
+TOKENS_PER_EXAMPLE = 4  # a power of two: scaling by it is exact in float32
+
+
+def token_loss(w, x, y):
+    """Each example is TOKENS_PER_EXAMPLE tokens that carry its loss: a
+    weighted loss ``(loss sum, tokens)`` whose big_batch counts tokens."""
+    losses = TOKENS_PER_EXAMPLE * per_example_loss(w, x, y)
+    return jnp.sum(losses), jnp.float32(TOKENS_PER_EXAMPLE * x.shape[0])
+
+
+def run_on_population(controller, loss, reduction, windows, micro=4, largest=64):
+    """Window sizes of a run on the population near its optimum (B_noise
+    about 376 examples), one masked program for every size."""
+    step = jax.jit(
+        jaxaccum.value_and_grad(
+            loss,
+            largest,
+            batch_argnums=(1, 2),
+            reduction=reduction,
+            masked=True,
+            report_stats=True,
+        )
+    )
+    x, y = population()
+    params = 0.98 * jnp.linalg.lstsq(x, y)[0]
+    state, sizes = controller.init(), []
+    for window in range(windows):
+        num = controller.num_microbatches(state)
+        rows = jax.random.randint(jax.random.key(window), (num * micro,), 0, len(x))
+        batch = (np.asarray(x[rows]), np.asarray(y[rows]))
+        _, stats = step(
+            params,
+            *jaxaccum.pad_microbatches(batch, num, largest),
+            active_microbatches=num,
+        )
+        state = controller.update(state, stats)
+        sizes.append(num)
+    return sizes, state
+
+
+@pytest.mark.parametrize("half_life", [None, 1024.0])
+def test_the_same_run_counted_in_examples_or_tokens_takes_the_same_windows(
+    half_life,
+):
+    """Issue 35, case 6: counted in tokens (weighted loss, step_cost and
+    half_life in tokens) the controller mixed tokens and examples. With
+    tokens_per_example every quantity is in tokens, and since every one
+    scales by the power of two T exactly, the windows are the same."""
+    tokens = TOKENS_PER_EXAMPLE
+    in_examples = noise_scale_batch(4, 64, step_cost=64.0, half_life=half_life)
+    in_tokens = noise_scale_batch(
+        4,
+        64,
+        step_cost=64.0 * tokens,
+        half_life=None if half_life is None else half_life * tokens,
+        tokens_per_example=tokens,
+    )
+    assert in_tokens.effective_half_life == tokens * in_examples.effective_half_life
+    examples_sizes, examples_state = run_on_population(
+        in_examples, mean_loss, "mean", windows=32
+    )
+    tokens_sizes, tokens_state = run_on_population(
+        in_tokens, token_loss, "weighted", windows=32
+    )
+    assert tokens_sizes == examples_sizes, (tokens_sizes, examples_sizes)
+    assert len(set(examples_sizes)) > 1, examples_sizes  # the window moved
+    assert float(tokens_state.examples_seen) == tokens * float(
+        examples_state.examples_seen
+    )
+
+
+def test_the_start_and_half_life_count_a_micro_batch_in_the_controllers_unit():
+    """B_max = 32 x 8 = 256 examples and c = 16 examples start at
+    sqrt(16 x 256) = 64 examples, 8 micro-batches; in tokens (16 an example)
+    the same, where mixing units started at sqrt(256 x 256) examples: 32."""
+    sizes = (2, 4, 8, 16, 32)
+    in_examples = noise_scale_batch(8, 32, step_cost=16.0, sizes=sizes)
+    in_tokens = noise_scale_batch(
+        8, 32, step_cost=256.0, sizes=sizes, tokens_per_example=16
+    )
+    assert in_examples.start_microbatches == in_tokens.start_microbatches == 8
+    assert in_tokens.effective_half_life == 16 * in_examples.effective_half_life
+    assert in_tokens.microbatch_weight == 128.0 and in_tokens.unit == "tokens"
+
+
+def test_a_window_counted_in_tokens_needs_tokens_per_example():
+    controller = noise_scale_batch(8, 32, step_cost=256.0)  # starts at 32
+    state = controller.init()
+    with pytest.raises(
+        ValueError,
+        match=r"big_batch is 4096, more than the 256 examples.*tokens_per_example=",
+    ):
+        controller.update(state, Totals(16.0 * 8 * 32, 1.0, 100.0))
+    # The window's examples, or fewer (padding, masking), are counted.
+    after = controller.update(state, Totals(8.0 * 32, 1.0, 100.0))
+    assert float(after.examples_seen) == 256.0
+
+
+def test_measure_step_cost_needs_three_timings_a_size():
+    """With one timing the scatter is 0 and nothing is refused: one 3 ms
+    hiccup gave 142-159 +- 0 examples for a true 4. With 3, the least of them
+    is the time, and a hiccup in one of them changes nothing."""
+    with pytest.raises(ValueError, match=r"repeats must be >= 3, got 1.*scatter"):
+        jaxaccum.measure_step_cost(lambda num: None, 4, (1, 8), repeats=1)
+    with pytest.raises(ValueError, match="repeats must be >= 3, got 2"):
+        jaxaccum.measure_step_cost(lambda num: None, 4, (1, 8), repeats=2)
+
+
+def test_a_hiccup_in_one_of_three_timings_leaves_the_cost_exact(monkeypatch):
+    clock = _fake_clock(monkeypatch)
+    hiccups = iter([0.0, 0.0, 0.003])  # compile, then the 2nd timing 3 ms late
+
+    def window_step(num):  # 4 ms a step, 1 ms an example: a cost of 4 examples
+        clock[0] += 0.004 + 0.001 * 4 * num + (next(hiccups, 0.0) if num == 1 else 0)
+        return jnp.zeros(())
+
+    cost = jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
+    np.testing.assert_allclose(cost.step_cost, 4.0, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_microbatches": (1, 4, 8)}, ValueError, r"a pair.*\(1, 4, 8\): 3 sizes"),
+        ({"num_microbatches": 8}, TypeError, "num_microbatches must be a pair.*got 8"),
+        ({"num_microbatches": (1, 8.0)}, TypeError, r"num_microbatches\[1\] must be"),
+        ({"num_microbatches": (8, 1)}, ValueError, "two increasing sizes"),
+        ({"microbatch_size": 0}, ValueError, "microbatch_size must be >= 1, got 0"),
+        ({"window_step": None}, TypeError, "window_step must be a function"),
+    ],
+)
+def test_measure_step_cost_errors_say_what_to_pass(kwargs, error, message):
+    arguments = {
+        "window_step": lambda num: None,
+        "microbatch_size": 4,
+        "num_microbatches": (1, 8),
+    } | kwargs
+    with pytest.raises(error, match=message):
+        jaxaccum.measure_step_cost(**arguments)
+
+
+def test_a_half_life_too_short_for_the_largest_window_is_refused():
+    """Issue 35, case 8: with half_life=16 and windows of 16 or more examples
+    the averages never held the 4 effective windows the controller moves
+    from, and the window never moved, silently. Windows up to 64 x 8 = 512
+    examples need a half-life of at least 1,024."""
+    with pytest.raises(
+        ValueError,
+        match=r"half_life=16 is too short for windows of up to 512 examples.*"
+        r"here 1.00.*half_life >= 2 largest windows = 1024 examples",
+    ):
+        noise_scale_batch(8, 64, half_life=16)
+    with pytest.raises(ValueError, match="half_life=1023 is too short"):
+        noise_scale_batch(8, 64, half_life=1023.0)
+    in_tokens = r"up to 8192 tokens.*half_life >= 2 largest windows = 16384 tokens"
+    with pytest.raises(ValueError, match=in_tokens):
+        noise_scale_batch(8, 64, half_life=1024.0, tokens_per_example=16)
+    with pytest.raises(ValueError, match=r"too long for windows of 16 examples"):
+        noise_scale_batch(8, 64, half_life=1e12)
+    assert noise_scale_batch(8, 64, half_life=1024).effective_half_life == 1024.0
+
+
+def test_at_the_shortest_half_life_the_averages_reach_four_windows():
+    """The bound's figures: windows of B at half-life 2 B (k = 2**-0.5) hold
+    (1 - k**n)(1 + k) / ((1 - k)(1 + k**n)) effective windows after n of
+    them: 3.50 after 4, 4.08 after 5, 5.83 in the limit. Each window adds
+    4 float32 roundings to weight and weight_sq; their ratio is within
+    12 n u of it."""
+    controller = noise_scale_batch(8, 64, min_microbatches=64, half_life=1024.0)
+    state, keep = controller.init(), 2.0**-0.5
+    for count in range(1, 41):
+        state = controller.update(state, Totals(512.0, 1.0, 400.0))
+        noise = state.noise
+        effective = float(noise.weight) ** 2 / float(noise.weight_sq)
+        expected = (1 - keep**count) * (1 + keep) / ((1 - keep) * (1 + keep**count))
+        np.testing.assert_allclose(
+            effective, expected, rtol=12 * count * UNIT_ROUNDOFF, err_msg=str(count)
+        )
+        assert (effective >= 4.0) == (count >= 5), (count, effective)
+    assert effective > 5.8, effective
+
+
+def test_adascale_estimates_must_be_scalars():
+    """Issue 35, case 10: a vector estimate gave a vector learning rate."""
+    for name, estimates in (
+        ("gradient_norm_sq", (np.array([1.0, 2.0]), 5.0)),
+        ("gradient_noise_trace", (1.0, jnp.ones(2))),
+    ):
+        with pytest.raises(TypeError, match=rf"{name} must be a real scalar.*\(2,\)"):
+            batch_scale("adascale", 256, 64, *estimates)
+    optimizer = scale_by_batch_learning_rate(0.1, 64, rule="adascale")
+    state = optimizer.init(jnp.zeros(2))
+    with pytest.raises(
+        TypeError, match=r"noise_estimates.gradient_norm_sq must be a real scalar"
+    ):
+        optimizer.update(
+            jnp.ones(2),
+            state,
+            batch_size=256.0,
+            noise_estimates=Totals(256.0, np.ones(2), 5.0),
+        )
+    # Missing, NaN or infinite estimates are allowed: the gain is 1.
+    for norm_sq in (None, np.float32(np.nan), np.inf):
+        assert float(batch_scale("adascale", 256, 64, norm_sq, 5.0)) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"sizes": ()}, ValueError, "sizes is empty"),
+        ({"sizes": 4}, TypeError, "sizes must be a sequence.*got 4"),
+        ({"sizes": (4, 8, 16)}, ValueError, r"got \(4, 8, 16\): pass min_microbat"),
+        ({"sizes": (1, 8)}, ValueError, "drop 1"),
+        ({"sizes": (2, 8, 128)}, ValueError, "pass max_microbatches=128"),
+        ({"sizes": (2, 8.0)}, TypeError, r"sizes\[1\] must be an integer scalar"),
+        ({"shrink": "yes"}, TypeError, "shrink must be True or False, got 'yes'"),
+        ({"shrink": 1}, TypeError, "shrink must be True or False, got 1 of type int"),
+        ({"tokens_per_example": 0}, ValueError, "tokens_per_example must be > 0.0"),
+        ({"step_cost": jnp.ones(2)}, TypeError, r"step_cost must be.*shape \(2,\)"),
+    ],
+)
+def test_noise_scale_batch_refuses_what_it_cannot_use(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        noise_scale_batch(8, 64, **kwargs)
+
+
+def test_noise_decay_is_named_as_the_user_passed_it():
+    for decay, message in ((1.0, "got 1.0"), (1 - 1e-9, "float32 rounds to 1")):
+        with pytest.raises(ValueError, match=rf"^noise_decay must be in.*{message}"):
+            scale_by_batch_learning_rate(0.1, 64, rule="adascale", noise_decay=decay)
+    with pytest.raises(TypeError, match="flip_sign must be True or False"):
+        scale_by_batch_learning_rate(0.1, 64, flip_sign="no")
+
+
+def test_batch_ramp_keeps_python_ints_and_refuses_keys_float32_cannot_tell():
+    built = batch_ramp(np.int64(8), {np.int64(0): np.int32(1), 16: jnp.int32(2)})
+    assert built == batch_ramp(8, {0: 1, 16: 2}) and hash(built), built
+    assert {type(v) for pair in built.schedule for v in pair} == {int}
+    # Keys beyond int32 are examples seen, counted in float32: allowed.
+    far = batch_ramp(8, {0: 1, 2**40: 2})
+    state = far.init()._replace(examples_seen=jnp.float32(2**40 - 8))
+    assert far.num_microbatches(far.update(state, Totals(8.0))) == 2
+    with pytest.raises(ValueError, match="schedule key 1000.*infinite"):
+        batch_ramp(8, {0: 1, 10**40: 2})
+    with pytest.raises(ValueError, match="33554432 and 33554433 are the same"):
+        batch_ramp(8, {0: 1, 2**25: 2, 2**25 + 1: 3})
+    with pytest.raises(TypeError, match="schedule key must be an integer.*'100'"):
+        batch_ramp(8, {0: 1, "100": 2})
+    with pytest.raises(TypeError, match="schedule must be a mapping"):
+        batch_ramp(8, [(0, 1)])

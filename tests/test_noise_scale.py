@@ -404,3 +404,32 @@ def test_complex_parameters_count_their_imaginary_parts():
     assert float(stats.grad_sq_norm) > 1.5 * real_parts_only, (
         f"imaginary parts dropped: {float(stats.grad_sq_norm)} vs {real_parts_only}"
     )
+
+
+@pytest.mark.parametrize(
+    ("decay", "error", "message"),
+    [
+        (1.0, ValueError, r"decay must be in \[0, 1\), got 1.0"),
+        (1 - 1e-9, ValueError, "which float32 rounds to 1"),
+        (-0.1, ValueError, "decay must be from 0.0 to 1.0, got -0.1"),
+        ("0.9", TypeError, "decay must be a real scalar.*'0.9' of type str"),
+        (np.full(2, 0.9), TypeError, r"decay must be a real scalar.*shape \(2,\)"),
+    ],
+)
+def test_ema_decay_errors_name_it(decay, error, message):
+    with pytest.raises(error, match=message):
+        jaxaccum.NoiseScaleEMA(decay)
+
+
+def test_ema_decay_is_kept_as_a_python_float():
+    """A 0-d NumPy or JAX decay averages as the Python float does."""
+    stats = jaxaccum.NoiseEstimates(jnp.float32(2.0), jnp.float32(8.0), jnp.nan)
+    states = []
+    for decay in (0.5, np.asarray(0.5), np.float32(0.5), jnp.float32(0.5)):
+        ema = jaxaccum.NoiseScaleEMA(decay)
+        assert type(ema.decay) is float and ema.decay == 0.5, ema.decay
+        states.append(ema.update(ema.update(ema.init(), stats), stats))
+    for state in states[1:]:
+        chex.assert_trees_all_equal(tuple(state), tuple(states[0]))
+    with pytest.raises(TypeError, match="decay must be a concrete number"):
+        jax.jit(jaxaccum.NoiseScaleEMA)(0.5)

@@ -136,22 +136,24 @@ def argnums(text: str) -> tuple[int, ...]:
     return nums
 
 
-# optax's update of these needs the loss's value and function (value_fn=...),
-# which a step of gradients alone does not give it.
-_NEEDS_LOSS_FUNCTION = ("lbfgs",)
+# Left out of the choices: lbfgs's update needs the loss's value and function
+# (value_fn=...), which a step of gradients alone does not give it;
+# optimistic_adam is deprecated (optimistic_adam_v2 is offered); noisy_sgd
+# wants a PRNG key that the planned step does not thread.
+_LEFT_OUT = ("lbfgs", "optimistic_adam", "noisy_sgd")
 
 
 def optimizers() -> tuple[str, ...]:
     """The ``--optimizer`` choices: optax's optimizers, the functions taking
-    the learning rate first, less its ``scale_by_*`` building blocks and the
-    optimizers that need the loss function."""
+    the learning rate first, less its ``scale_by_*`` building blocks and
+    those a step of gradients alone cannot run well (``_LEFT_OUT``)."""
     names = []
     for name in dir(optax):
         function = getattr(optax, name)
         if (
             not inspect.isfunction(function)
             or name.startswith(("_", "scale_by_"))
-            or name in _NEEDS_LOSS_FUNCTION
+            or name in _LEFT_OUT
         ):
             continue
         parameters = list(inspect.signature(function).parameters)
