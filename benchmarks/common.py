@@ -1,8 +1,8 @@
 """Shared pieces of the benchmark scripts: where results go, the machine, and
 how repeated measurements are summarised.
 
-The timing and memory harness itself is `jaxaccum.cli._bench` (also behind
-`jaxaccum bench`), and the models are `jaxaccum.cli._models`. This module
+The timing and memory harness itself is `jaxaccum.cli.harness` (also behind
+`jaxaccum bench`), and the models are `jaxaccum.cli.models`. This module
 imports only the standard library at import time, so `import_time.py` can use
 it in a core-only install.
 """
@@ -20,7 +20,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def write_json(name: str, payload: dict) -> pathlib.Path:
-    from jaxaccum.cli._bench import machine  # needs the cli extra
+    from jaxaccum.cli.harness import machine  # needs the cli extra
 
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -3,8 +3,8 @@
 Run: python benchmarks/compare.py [--quick]   (the same as `jaxaccum bench`)
 
 Writes benchmarks/results/compare/{results.json, results.md, *.png}. The
-contenders, the harness and the models are in `jaxaccum.cli._bench` and
-`jaxaccum.cli._models`; see benchmarks/README.md for the figures.
+contenders, the harness and the models are in `jaxaccum.cli.harness` and
+`jaxaccum.cli.models`; see benchmarks/README.md for the figures.
 """
 
 import pathlib

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
-from jaxaccum.cli._models import mlp_task  # noqa: E402
+from jaxaccum.cli.models import mlp_task  # noqa: E402
 
 NUM_DEVICES = 8
 # (features, hidden, classes): 4.4 KiB of gradients, to see the fixed cost of an

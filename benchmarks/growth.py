@@ -46,7 +46,7 @@ from common import RESULTS, spread, write_json
 from jax.flatten_util import ravel_pytree
 
 import jaxaccum
-from jaxaccum.cli import _models
+from jaxaccum.cli import models
 
 # 1. Smith et al.'s equivalence.
 REGRESSION_FEATURES, LABEL_NOISE = 64, 1.0
@@ -200,7 +200,7 @@ def smith_equivalence() -> dict:
 
 
 def skip_cost() -> dict:
-    task = _models.mlp_task()
+    task = models.mlp_task()
     max_num = SKIP_MAX_MICROBATCHES
     actives = (1, max_num // 2, max_num)
     masked = jax.jit(jaxaccum.value_and_grad(task.loss, max_num, masked=True))

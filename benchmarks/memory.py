@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 import jaxaccum
-from jaxaccum.cli import _models
-from jaxaccum.cli._bench import footprint
+from jaxaccum.cli import models
+from jaxaccum.cli.harness import footprint
 
 # name -> layer sizes (input, hidden..., classes)
 MODELS = {
@@ -35,7 +35,7 @@ def temp_bytes(fun, *args) -> int:
 
 
 def measure(sizes, batch_size: int, num_microbatches: int) -> dict:
-    task = _models.mlp_task(sizes[0], sizes[1:-1], sizes[-1])
+    task = models.mlp_task(sizes[0], sizes[1:-1], sizes[-1])
     batch = task.make_batch(jax.random.key(0), batch_size)
     optax_microbatched = optax.microbatching.microbatch(
         jax.grad(task.loss),

@@ -17,7 +17,7 @@ import optax
 from common import spread, write_json
 
 import jaxaccum
-from jaxaccum.cli import _bench, _models
+from jaxaccum.cli import harness, models
 
 BATCH_SIZE = 8192
 NUM_MICROBATCHES = (4, 16)
@@ -33,17 +33,17 @@ def window(task, num: int, report_stats: bool):
         out = step(params, batch)
         return out[0] if report_stats else out
 
-    return _bench.window_step(grads, optimizer), optimizer.init(task.params)
+    return harness.window_step(grads, optimizer), optimizer.init(task.params)
 
 
 def measure(task, batch, num: int) -> dict:
     compiled, temps = {}, {}
     for report_stats in (False, True):
         fun, opt_state = window(task, num, report_stats)
-        compiled[report_stats], _ = _bench.compile_timed(
+        compiled[report_stats], _ = harness.compile_timed(
             fun, task.params, opt_state, batch
         )
-        temps[report_stats] = _bench.footprint(compiled[report_stats])[0]
+        temps[report_stats] = harness.footprint(compiled[report_stats])[0]
     seconds: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(ROUNDS):
         for report_stats in (False, True):
@@ -70,7 +70,7 @@ def measure(task, batch, num: int) -> dict:
 
 
 def main() -> None:
-    task = _models.mlp_task()
+    task = models.mlp_task()
     batch = task.make_batch(jax.random.key(0), BATCH_SIZE)
     results = {}
     for num in NUM_MICROBATCHES:

@@ -13,7 +13,7 @@ from models import next_token_losses, token_batch
 from tolerances import ATOL, RTOL
 
 import jaxaccum
-from jaxaccum.cli._models import Transformer
+from jaxaccum.cli.models import Transformer
 from jaxaccum.testing import assert_grads_match_full_batch, leaf_errors
 
 # Float32 rounding bounds, derived in tests/tolerances.py.

@@ -2,8 +2,9 @@
 
 Imported only by the console script (and ``python -m jaxaccum``), never by
 ``import jaxaccum``: it needs the ``cli`` extra (``pip install "jaxaccum[cli]"``:
-Flax for its models, rich, matplotlib). Its demo models and benchmark harness
-live here, off the library's import path.
+Flax for its models, rich, matplotlib). Its demo models
+(``jaxaccum.cli.models``) and benchmark harness (``jaxaccum.cli.harness``)
+live here, off the library's import path, public for ``benchmarks/``.
 """
 
 try:

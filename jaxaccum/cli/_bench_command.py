@@ -9,7 +9,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from jaxaccum._plan import format_bytes
-from jaxaccum.cli import _bench, _models
+from jaxaccum.cli import harness, models
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides
 
@@ -66,12 +66,12 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tasks = {
-        "mlp": (_models.mlp_task(), args.batch_size),
-        "transformer": (_models.transformer_task(), args.sequence_batch_size),
-        "cnn": (_models.cnn_task(), args.image_batch_size),
+        "mlp": (models.mlp_task(), args.batch_size),
+        "transformer": (models.transformer_task(), args.sequence_batch_size),
+        "cnn": (models.cnn_task(), args.image_batch_size),
     }
     selected = _selected(args)
-    results: dict[str, Any] = {"machine": _bench.machine(), "models": {}}
+    results: dict[str, Any] = {"machine": harness.machine(), "models": {}}
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -80,7 +80,7 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
         disable=args.quiet,
     ) as progress:
         runs = len(selected) * (
-            1 + (len(_bench.CONTENDERS) - 1) * len(args.num_microbatches)
+            1 + (len(harness.CONTENDERS) - 1) * len(args.num_microbatches)
         )
         bar = progress.add_task("bench", total=runs)
 
@@ -89,7 +89,7 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
 
         for name in selected:
             task, batch_size = tasks[name]
-            measurements = _bench.run_suite(
+            measurements = harness.run_suite(
                 task,
                 batch_size,
                 args.num_microbatches,
@@ -106,7 +106,7 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
         results["compile_seconds"] = {
             "task": compile_task[0].name,
             "batch_size": compile_task[1],
-            "seconds": _bench.compile_seconds_vs_n(
+            "seconds": harness.compile_seconds_vs_n(
                 compile_task[0],
                 compile_task[1],
                 args.compile_num_microbatches,

@@ -30,7 +30,7 @@ from rich.table import Table
 import jaxaccum
 from jaxaccum._options import AccumOptions, check_scalar
 from jaxaccum._plan import format_bytes, measure, train_step
-from jaxaccum.cli import _models
+from jaxaccum.cli import models
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides
 
@@ -64,17 +64,17 @@ def check_flags(args: argparse.Namespace) -> None:
         )
 
 
-def demo_task(args: argparse.Namespace) -> _models.Task:
-    return _models.mlp_task(
+def demo_task(args: argparse.Namespace) -> models.Task:
+    return models.mlp_task(
         features=args.features, hidden=(args.width, args.width), seed=args.seed
     )
 
 
-def batch_shapes(task: _models.Task, batch_size: int) -> Any:
+def batch_shapes(task: models.Task, batch_size: int) -> Any:
     return jax.eval_shape(lambda: task.make_batch(jax.random.key(0), batch_size))
 
 
-def _jitted_train_step(task: _models.Task, num: int, optimizer) -> Callable:
+def _jitted_train_step(task: models.Task, num: int, optimizer) -> Callable:
     """The planner's train step for ``N = num``: ``step(opt_state, params,
     batch) -> (loss, params, opt_state)``, jitted with the optimizer state and
     the parameters donated."""
@@ -83,7 +83,7 @@ def _jitted_train_step(task: _models.Task, num: int, optimizer) -> Callable:
     return jax.jit(step, donate_argnums=donate)
 
 
-def _memory(task: _models.Task, args: argparse.Namespace, num: int):
+def _memory(task: models.Task, args: argparse.Namespace, num: int):
     """The planner's row for ``N = num``: the same measurement, the same step."""
     return measure(
         task.loss,
@@ -101,7 +101,7 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
 
 
-def _plan(task: _models.Task, args: argparse.Namespace) -> jaxaccum.MemoryPlan:
+def _plan(task: models.Task, args: argparse.Namespace) -> jaxaccum.MemoryPlan:
     return jaxaccum.plan(
         task.loss,
         task.params,
@@ -185,7 +185,7 @@ def _print_plan(memory_plan, full_row, num: int, batch_size: int) -> None:
     console.print(f"Effective batch = {batch_size // num} x {num} = {batch_size}.")
 
 
-def _prove(task: _models.Task, batch: Any, num: int) -> None:
+def _prove(task: models.Task, batch: Any, num: int) -> None:
     # The same float32 sums over the batch in two orders: each errs by at most
     # (B - 1) u sum|t| (u = 2**-24; Higham, 4.2), so they differ by at most
     # 2 B u relative where terms do not cancel, and that times the mean
@@ -341,7 +341,7 @@ def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.StepCost:
 
 
 def _train(
-    task: _models.Task, num: int, args: argparse.Namespace
+    task: models.Task, num: int, args: argparse.Namespace
 ) -> tuple[list[float], Any]:
     """Trains ``args.steps`` steps; returns the losses and the parameters."""
     optimizer = optax.adam(args.learning_rate)

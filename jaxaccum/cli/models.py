@@ -1,4 +1,6 @@
-"""Small Flax models on synthetic, learnable data, for the CLI demo and bench.
+"""Small Flax models on synthetic, learnable data: what ``jaxaccum demo`` and
+``jaxaccum bench`` train, public so that ``benchmarks/`` (and a user checking
+a figure) build the same tasks.
 
 Each ``*_task`` returns a :class:`Task`: the loss, initial parameters and a
 function making a batch from a key. Data are generated in-process (no

@@ -1,4 +1,6 @@
-"""Side-by-side benchmark of gradient-accumulation methods, measured in one run.
+"""Side-by-side benchmark of gradient-accumulation methods, measured in one run:
+the harness behind ``jaxaccum bench``, public so that ``benchmarks/`` measure
+with the same code.
 
 For a model, a batch and ``N`` micro-batches, every contender runs one whole
 training window: the gradient of the batch and one Adam update.
@@ -34,7 +36,7 @@ import optax
 
 import jaxaccum
 from jaxaccum._plan import total_bytes
-from jaxaccum.cli._models import Task
+from jaxaccum.cli.models import Task
 
 CONTENDERS = (
     "full_batch",
