@@ -25,22 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum._noise_scale import (
-    NoiseEstimates,
-    WindowStats,
-    estimate,
-    in_stats_precision,
-    squared_norm,
-)
+from jaxaccum import _window_noise
+from jaxaccum._noise_scale import NoiseEstimates, WindowStats
 from jaxaccum._options import check_scalar, static_scalar
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._window import accum_dtype_for
+from jaxaccum._window_noise import WindowNoise
 
 EveryKSchedule = int | Callable[[jax.Array], jax.typing.ArrayLike]
 
 
 class MultiStepsState(NamedTuple):
-    """State of `MultiSteps`; the fields of `optax.MultiStepsState` plus one.
+    """State of `MultiSteps`; the fields of `optax.MultiStepsState` plus two.
 
     Attributes:
       mini_step: int32 scalar, accepted calls so far in the current window;
@@ -59,14 +55,9 @@ class MultiStepsState(NamedTuple):
         (monitoring information), ``()`` without one.
       acc_weight: float32 scalar, the window's total weight (the number of
         accepted calls when no ``weight`` is passed); reset like ``acc_grads``.
-      acc_sq_norm: with ``track_noise_scale``, float32 ``(2,)``: the window's
-        sum of :math:`w |g|^2` (each call's ``weight`` times its gradient's
-        squared norm) over calls (reset like ``acc_grads``)
-        and the squared norm of the last emitted window's mean gradient;
-        ``()`` without.
-      window_calls: with ``track_noise_scale``, int32: the window's accepted
-        calls of non-zero weight, the ``N`` of :meth:`MultiSteps.window_stats`
-        (reset like ``acc_grads``); ``()`` without.
+      noise: with ``track_noise_scale``, the window's squared norms (a
+        ``WindowNoise``: their sum over calls, the calls counted, the last
+        emitted window's); ``()`` without.
     """
 
     mini_step: jax.Array
@@ -75,18 +66,15 @@ class MultiStepsState(NamedTuple):
     acc_grads: Any
     skip_state: Any = ()
     acc_weight: jax.Array | float = 0.0
-    acc_sq_norm: Any = ()
-    window_calls: Any = ()
+    noise: WindowNoise | tuple = ()
 
 
 class _WindowSums(NamedTuple):
-    """The window's sums after a call, lazily reset like ``acc_grads``; the
-    last two with ``track_noise_scale`` only, ``()`` without."""
+    """The window's sums after a call, lazily reset like ``acc_grads``."""
 
     acc_grads: Any
     acc_weight: jax.Array
-    running_sq_norm: Any
-    window_calls: Any
+    noise: WindowNoise | tuple
 
 
 def _never_skip(
@@ -145,6 +133,169 @@ def _check_weight(weight: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(weight) & (weight >= 0), weight, jnp.nan)
 
 
+def _check_schedule(every_k_schedule: Any) -> EveryKSchedule | None:
+    """``every_k_schedule`` checked: a function, None, or a count (a Python
+    int after the check)."""
+    if every_k_schedule is None or callable(every_k_schedule):
+        return every_k_schedule
+    return static_scalar(
+        "every_k_schedule",
+        every_k_schedule,
+        integer=True,
+        low=1,
+        hint="Pass an int or a function of gradient_step (calls per window; 1 "
+        "steps on every call), or None with update(..., every_k=...) on every "
+        "call.",
+    )
+
+
+def _window_length(
+    schedule: EveryKSchedule | None,
+    gradient_step: jax.Array,
+    every_k: jax.typing.ArrayLike | None,
+) -> jax.typing.ArrayLike:
+    """The current window's length: ``every_k`` if the call passes it, else
+    the schedule's value at ``gradient_step``."""
+    if every_k is not None:
+        return _check_every_k(
+            every_k, "every_k", "Pass e.g. every_k=controller_state.num_microbatches."
+        )
+    if schedule is None:
+        raise TypeError(
+            "MultiSteps(every_k_schedule=None) takes the window length from "
+            "each call: update(..., every_k=num_calls), e.g. "
+            "every_k=controller_state.num_microbatches."
+        )
+    if isinstance(schedule, int):
+        return schedule
+    return _check_every_k(
+        schedule(gradient_step),
+        "every_k_schedule(gradient_step)",
+        "Return e.g. jnp.where(gradient_step < 100, 1, 4).",
+    )
+
+
+def _should_skip(
+    should_skip_update_fn: Callable[..., Any],
+    updates: optax.Updates,
+    gradient_step: jax.Array,
+    params: optax.Params | None,
+    weight: jax.Array | None,
+) -> tuple[jax.Array, Any]:
+    """Whether to drop this call, and the skip function's state."""
+    should_skip, skip_state = should_skip_update_fn(updates, gradient_step, params)
+    should_skip = jnp.asarray(should_skip)
+    if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+        raise ValueError(
+            "should_skip_update_fn must return a boolean scalar first, got "
+            f"dtype {should_skip.dtype} and shape {should_skip.shape}."
+        )
+    if weight is not None and should_skip_update_fn is not _never_skip:
+        # The skip function sees only the gradient; a NaN or inf weight
+        # would poison the window just the same.
+        should_skip = should_skip | ~jnp.isfinite(weight)
+    return should_skip, skip_state
+
+
+def _emit(
+    opt: optax.GradientTransformationExtraArgs,
+    grads: Any,
+    inner_opt_state: Any,
+    updates: optax.Updates,
+    params: optax.Params | None,
+    extra_args: dict[str, Any],
+) -> tuple[optax.Updates, Any]:
+    """The emitting call: the wrapped optimizer on the window's gradient, cast
+    like this call's ``updates``."""
+    new_updates, new_inner_state = opt.update(
+        optax.tree.cast_like(grads, updates), inner_opt_state, params, **extra_args
+    )
+    # Both branches must return the same dtypes; keep the state's (as optax
+    # does), which also keeps it stable as a lax.scan carry.
+    new_inner_state = jax.tree.map(
+        lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
+        new_inner_state,
+        inner_opt_state,
+    )
+    return new_updates, new_inner_state
+
+
+def _add_call(
+    updates: optax.Updates,
+    state: MultiStepsState,
+    weight: jax.Array | None,
+    should_skip: jax.Array,
+) -> _WindowSums:
+    """This call's share of the window's sums."""
+    # The reset is lazy: the first accepted call of a window overwrites the
+    # previous window's sum instead of an extra pass writing zeros.
+    window_start = state.mini_step == 0
+
+    def into_window(acc: jax.Array, value: jax.Array) -> jax.Array:
+        new_sum = jnp.where(window_start, value, acc + value)
+        # Selects, not branches: they fuse into the add's single pass.
+        return jnp.where(should_skip, acc, new_sum)
+
+    def add_to_window(acc: jax.Array, grad: jax.Array) -> jax.Array:
+        grad = grad.astype(acc.dtype)
+        if weight is not None:
+            grad = weight.astype(acc.dtype) * grad
+        return into_window(acc, grad)
+
+    acc_grads = jax.tree.map(add_to_window, state.acc_grads, updates)
+    acc_weight = add_to_window(
+        jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
+    )
+    noise = state.noise
+    if isinstance(noise, WindowNoise):  # track_noise_scale
+        noise = _window_noise.add_call(noise, updates, weight, into_window)
+    return _WindowSums(acc_grads, acc_weight, noise)
+
+
+def _close_or_carry(
+    emit: jax.Array,
+    sums: _WindowSums,
+    inner_opt_state: Any,
+    emit_window: Callable[[Any, Any], tuple[optax.Updates, Any]],
+) -> tuple[optax.Updates, Any, _WindowSums]:
+    """The call's updates, inner state and sums: ``emit_window``'s on the
+    emitting call, else zeros and the state passed through."""
+
+    def emit_into_accumulator(acc_grads, inner_opt_state):
+        # The window's sum is dead once the inner optimizer has read it: its
+        # buffer carries the updates out of the cond (see below).
+        new_updates, new_inner_state = emit_window(acc_grads, inner_opt_state)
+        carried = jax.tree.map(
+            lambda update, acc: update.astype(acc.dtype), new_updates, acc_grads
+        )
+        noise = sums.noise
+        if isinstance(noise, WindowNoise):  # track_noise_scale
+            noise = _window_noise.emitted(noise, acc_grads, sums.acc_weight)
+        return carried, new_inner_state, noise
+
+    def mid_window(acc_grads, inner_opt_state):
+        return acc_grads, inner_opt_state, sums.noise
+
+    # Mid-window the accumulator and the inner state pass through the cond
+    # untouched; with the state donated, XLA keeps both in place. The updates
+    # are selected outside the cond, from the accumulator's buffer: a cond
+    # output of their own would be a parameter-sized temporary, freshly
+    # allocated (and page-faulted) by every call, while a select fuses into
+    # the caller's `params + updates`.
+    update_shapes, _ = jax.eval_shape(emit_window, sums.acc_grads, inner_opt_state)
+    acc_grads, inner_opt_state, noise = jax.lax.cond(
+        emit, emit_into_accumulator, mid_window, sums.acc_grads, inner_opt_state
+    )
+    new_updates = jax.tree.map(
+        lambda acc, shape: jnp.where(
+            emit, acc.astype(shape.dtype), jnp.zeros((), shape.dtype)
+        ),
+        acc_grads,
+        update_shapes,
+    )
+    return new_updates, inner_opt_state, sums._replace(acc_grads=acc_grads, noise=noise)
+
+
 class MultiSteps:
     """Accumulates gradients over calls; the wrapped optimizer steps once a window.
 
@@ -159,24 +310,11 @@ class MultiSteps:
     decay see one step per window.
 
     Pass ``weight=`` to ``update`` (e.g. the micro-batch's token count) to get
-    the token-exact window mean ``sum(w * g) / sum(w)``; it is not forwarded to
-    the wrapped optimizer. Other extra arguments (``value``, ``value_fn``,
-    ...) are forwarded to it on the emitting call.
-
-    For speed, jit the whole train step (``update`` then
-    ``optax.apply_updates``) with the params and the optimizer state donated,
-    ``jax.jit(step, donate_argnums=(0, 1))``. Then a mid-window call is one
-    pass that adds the gradient into the accumulator in place and one that
-    adds the (zero) updates to the params in place; the inner state passes
-    through the ``lax.cond`` untouched, and nothing parameter-sized is
-    allocated. Without donation every output needs a fresh buffer, and XLA
-    copies the inner state before the ``cond``. If you jit ``update`` alone,
-    donate the gradients together with the state: JAX pairs donated inputs
-    with outputs of the same shape in order, and ``updates`` comes first. The
-    measured cost against ``optax.MultiSteps``, donated and not, is in
-    ``benchmarks/README.md`` (section "MultiSteps"). Under ``jax.vmap`` with a
-    batched state, ``jax.lax.cond`` becomes a select, so every call pays for
-    the wrapped update; results are the same.
+    the token-exact window mean ``sum(w * g) / sum(w)``; other extra arguments
+    are forwarded to the wrapped optimizer on the emitting call. Jit the train
+    step with the params and the state donated: how that keeps a mid-window
+    call in place is in the guide [Micro-batches across
+    calls](../guides/multisteps.md#what-a-call-costs).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -207,41 +345,21 @@ class MultiSteps:
 
         Args:
           opt: the wrapped optimizer.
-          every_k_schedule: calls per window; an int >= 1, or a function of the
-            int32 ``gradient_step`` returning an integer scalar (a batch-size
-            ramp). It is evaluated once per window, so it may change between
-            windows only. A call that passes ``every_k=`` to ``update`` uses
-            that instead; None requires every call to pass it.
-          use_grad_mean: if True (default), emit the window's weighted mean
-            gradient ``sum(w * g) / sum(w)`` (``w = 1`` without ``weight``);
-            otherwise emit the sum ``sum(w * g)``.
-          should_skip_update_fn: optional function with the signature of
-            ``optax.skip_not_finite`` (or ``functools.partial`` of
-            ``optax.skip_large_updates``). A call it rejects leaves every field
-            of the state except ``skip_state`` bitwise unchanged and returns
-            zeros.
-          accumulator_dtype: the least precise dtype of ``acc_grads``; float32
-            by default, so that bfloat16 / float16 gradients are summed in
-            float32. Each leaf accumulates in its param's dtype promoted to it
-            (float64 stays float64, complex64 stays complex). None uses the
-            params' dtype.
-          track_noise_scale: keep one more float32 scalar in the state, the
-            window's sum of squared call-gradient norms, from which
-            :meth:`noise_estimates` gives the gradient noise scale after each
-            emitting call.
+          every_k_schedule: calls per window: an int >= 1, or a function of the
+            int32 ``gradient_step`` returning one (read once per window); None
+            if every call passes ``update(..., every_k=)``.
+          use_grad_mean: emit the window's weighted mean gradient ``sum(w *
+            g) / sum(w)`` (``w = 1`` without ``weight``) if True, else the sum.
+          should_skip_update_fn: as ``optax.skip_not_finite``; a call it
+            rejects leaves the state but ``skip_state`` bitwise unchanged.
+          accumulator_dtype: the least precise dtype of ``acc_grads`` (float32:
+            bfloat16 and float16 gradients sum in float32); None keeps the
+            params' dtypes.
+          track_noise_scale: keep the window's squared norms, for
+            :meth:`window_stats` and :meth:`noise_estimates`.
         """
-        if every_k_schedule is not None and not callable(every_k_schedule):
-            every_k_schedule = static_scalar(
-                "every_k_schedule",
-                every_k_schedule,
-                integer=True,
-                low=1,
-                hint="Pass an int or a function of gradient_step (calls per "
-                "window; 1 steps on every call), or None with "
-                "update(..., every_k=...) on every call.",
-            )
         self._opt = optax.with_extra_args_support(opt)
-        self._every_k_schedule = every_k_schedule
+        self._every_k_schedule = _check_schedule(every_k_schedule)
         self._use_grad_mean = use_grad_mean
         self._should_skip_update_fn = should_skip_update_fn or _never_skip
         self._accumulator_dtype = accumulator_dtype
@@ -251,31 +369,6 @@ class MultiSteps:
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
         """The wrapped optimizer, with extra-args support."""
         return self._opt
-
-    def _window_length(
-        self, gradient_step: jax.Array, every_k: jax.typing.ArrayLike | None
-    ) -> jax.typing.ArrayLike:
-        """The current window's length: ``every_k`` if the call passes it,
-        else the schedule's value at ``gradient_step``."""
-        if every_k is not None:
-            return _check_every_k(
-                every_k,
-                "every_k",
-                "Pass e.g. every_k=controller_state.num_microbatches.",
-            )
-        if self._every_k_schedule is None:
-            raise TypeError(
-                "MultiSteps(every_k_schedule=None) takes the window length from "
-                "each call: update(..., every_k=num_calls), e.g. "
-                "every_k=controller_state.num_microbatches."
-            )
-        if isinstance(self._every_k_schedule, int):
-            return self._every_k_schedule
-        return _check_every_k(
-            self._every_k_schedule(gradient_step),
-            "every_k_schedule(gradient_step)",
-            "Return e.g. jnp.where(gradient_step < 100, 1, 4).",
-        )
 
     def init(self, params: optax.Params) -> MultiStepsState:
         """Returns the state at the start of the first window.
@@ -302,8 +395,7 @@ class MultiSteps:
             ),
             skip_state=skip_state,
             acc_weight=jnp.zeros([], jnp.float32),
-            acc_sq_norm=jnp.zeros([2], jnp.float32) if self._track_noise_scale else (),
-            window_calls=jnp.zeros([], jnp.int32) if self._track_noise_scale else (),
+            noise=_window_noise.init_window_noise() if self._track_noise_scale else (),
         )
 
     def update(
@@ -321,70 +413,36 @@ class MultiSteps:
           updates: this call's gradients, a pytree like the params.
           state: the state from `init` or the previous call.
           params: the current params, forwarded to the wrapped optimizer.
-          every_k: optional integer scalar >= 1, traced under ``jit``: the
-            current window's length in calls, in place of
-            ``every_k_schedule``; not forwarded to the wrapped optimizer. Pass
-            it from a controller whose state lives outside the optimizer
-            state, ``every_k=controller_state.num_microbatches``: the
-            controller decides one window ahead, so the value stays the same
-            through the window, as it must. A value that changes mid-window
-            ends the window at the first call whose accepted calls so far
-            (this one included) are ``>= every_k``.
-          **extra_args: ``weight`` (optional scalar, this call's share of the
-            window mean, e.g. its token count; default 1), and any extra
-            arguments of the wrapped optimizer, forwarded on emitting calls.
+          every_k: the current window's length in calls, an integer scalar >=
+            1 (traced under ``jit``), in place of ``every_k_schedule``: e.g.
+            ``controller_state.num_microbatches``, decided a window ahead. A
+            value changed mid-window ends the window at the first call whose
+            accepted calls reach it.
+          **extra_args: ``weight`` (this call's share of the window, e.g. its
+            tokens; default 1) and the wrapped optimizer's extra arguments.
 
         Returns:
           ``(updates, new_state)``: exact zeros mid-window, the wrapped
-          optimizer's updates on the emitting call, with the dtypes the wrapped
-          optimizer gives in both cases.
+          optimizer's updates on the emitting call, in its dtypes.
         """
         weight = extra_args.pop("weight", None)
         if weight is not None:
             weight = _check_weight(weight)
-        every_k = self._window_length(state.gradient_step, every_k)
-        should_skip, skip_state = self._should_skip(updates, state, params, weight)
+        every_k = _window_length(self._every_k_schedule, state.gradient_step, every_k)
+        should_skip, skip_state = _should_skip(
+            self._should_skip_update_fn, updates, state.gradient_step, params, weight
+        )
         emit = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
-        sums = self._add(updates, state, weight, should_skip)
-        acc_grads, acc_weight = sums.acc_grads, sums.acc_weight
+        sums = _add_call(updates, state, weight, should_skip)
 
         def emit_window(acc_grads, inner_opt_state):
-            return self._emit(
-                acc_grads, acc_weight, inner_opt_state, updates, params, extra_args
-            )
+            grads = acc_grads
+            if self._use_grad_mean:
+                grads = divide_by_total_weight(acc_grads, sums.acc_weight)
+            return _emit(self._opt, grads, inner_opt_state, updates, params, extra_args)
 
-        def emit_into_accumulator(acc_grads, inner_opt_state):
-            # The window's sum is dead once the inner optimizer has read it:
-            # its buffer carries the updates out of the cond (see below).
-            new_updates, new_inner_state = emit_window(acc_grads, inner_opt_state)
-            carried = jax.tree.map(
-                lambda update, acc: update.astype(acc.dtype), new_updates, acc_grads
-            )
-            return carried, new_inner_state, self._window_sq_norm(acc_grads, acc_weight)
-
-        def mid_window(acc_grads, inner_opt_state):
-            last = state.acc_sq_norm[1] if self._track_noise_scale else ()
-            return acc_grads, inner_opt_state, last
-
-        # Mid-window the accumulator and the inner state pass through the cond
-        # untouched; with the state donated, XLA keeps both in place. The
-        # updates are selected outside the cond, from the accumulator's buffer:
-        # a cond output of their own would be a parameter-sized temporary, freshly
-        # allocated (and page-faulted) by every call, while a select fuses into
-        # the caller's `params + updates`.
-        update_shapes, _ = jax.eval_shape(emit_window, acc_grads, state.inner_opt_state)
-        acc_grads, inner_opt_state, window_sq_norm = jax.lax.cond(
-            emit, emit_into_accumulator, mid_window, acc_grads, state.inner_opt_state
-        )
-        acc_sq_norm = state.acc_sq_norm
-        if self._track_noise_scale:
-            acc_sq_norm = jnp.stack([sums.running_sq_norm, window_sq_norm])
-        new_updates = jax.tree.map(
-            lambda acc, shape: jnp.where(
-                emit, acc.astype(shape.dtype), jnp.zeros((), shape.dtype)
-            ),
-            acc_grads,
-            update_shapes,
+        new_updates, inner_opt_state, sums = _close_or_carry(
+            emit, sums, state.inner_opt_state, emit_window
         )
         new_state = MultiStepsState(
             mini_step=jnp.where(
@@ -394,108 +452,12 @@ class MultiSteps:
                 emit, optax.safe_increment(state.gradient_step), state.gradient_step
             ),
             inner_opt_state=inner_opt_state,
-            acc_grads=acc_grads,
+            acc_grads=sums.acc_grads,
             skip_state=skip_state,
-            acc_weight=acc_weight,
-            acc_sq_norm=acc_sq_norm,
-            window_calls=sums.window_calls,
+            acc_weight=sums.acc_weight,
+            noise=sums.noise,
         )
         return new_updates, new_state
-
-    def _add(
-        self,
-        updates: optax.Updates,
-        state: MultiStepsState,
-        weight: jax.Array | None,
-        should_skip: jax.Array,
-    ) -> _WindowSums:
-        """This call's share of the window's sums."""
-        # The reset is lazy: the first accepted call of a window overwrites the
-        # previous window's sum instead of an extra pass writing zeros.
-        window_start = state.mini_step == 0
-
-        def into_window(acc: jax.Array, value: jax.Array) -> jax.Array:
-            new_sum = jnp.where(window_start, value, acc + value)
-            # Selects, not branches: they fuse into the add's single pass.
-            return jnp.where(should_skip, acc, new_sum)
-
-        def add_to_window(acc: jax.Array, grad: jax.Array) -> jax.Array:
-            grad = grad.astype(acc.dtype)
-            if weight is not None:
-                grad = weight.astype(acc.dtype) * grad
-            return into_window(acc, grad)
-
-        acc_grads = jax.tree.map(add_to_window, state.acc_grads, updates)
-        acc_weight = add_to_window(
-            jnp.asarray(state.acc_weight, jnp.float32), jnp.ones([], jnp.float32)
-        )
-        if not self._track_noise_scale:
-            return _WindowSums(acc_grads, acc_weight, (), ())
-        # As in-step, a call of weight 0 is no batch size: N counts the others.
-        counted = jnp.ones([], jnp.int32) if weight is None else weight > 0
-        return _WindowSums(
-            acc_grads,
-            acc_weight,
-            add_to_window(state.acc_sq_norm[0], squared_norm(updates)),
-            into_window(state.window_calls, jnp.asarray(counted, jnp.int32)),
-        )
-
-    def _window_sq_norm(self, acc_grads: Any, acc_weight: jax.Array) -> Any:
-        """With ``track_noise_scale``, :math:`|G_B|^2` of the window's mean gradient."""
-        if not self._track_noise_scale:
-            return ()
-        mean = divide_by_total_weight(
-            jax.tree.map(in_stats_precision, acc_grads), acc_weight
-        )
-        return squared_norm(mean)
-
-    def _should_skip(
-        self,
-        updates: optax.Updates,
-        state: MultiStepsState,
-        params: optax.Params | None,
-        weight: jax.Array | None,
-    ) -> tuple[jax.Array, Any]:
-        """Whether to drop this call, and the skip function's state."""
-        should_skip, skip_state = self._should_skip_update_fn(
-            updates, state.gradient_step, params
-        )
-        should_skip = jnp.asarray(should_skip)
-        if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-            raise ValueError(
-                "should_skip_update_fn must return a boolean scalar first, got "
-                f"dtype {should_skip.dtype} and shape {should_skip.shape}."
-            )
-        if weight is not None and self._should_skip_update_fn is not _never_skip:
-            # The skip function sees only the gradient; a NaN or inf weight
-            # would poison the window just the same.
-            should_skip = should_skip | ~jnp.isfinite(weight)
-        return should_skip, skip_state
-
-    def _emit(
-        self,
-        acc_grads: Any,
-        acc_weight: jax.Array,
-        inner_opt_state: Any,
-        updates: optax.Updates,
-        params: optax.Params | None,
-        extra_args: dict[str, Any],
-    ) -> tuple[optax.Updates, Any]:
-        """The emitting call: the wrapped optimizer on the window's gradient."""
-        grads = acc_grads
-        if self._use_grad_mean:
-            grads = divide_by_total_weight(acc_grads, acc_weight)
-        new_updates, new_inner_state = self._opt.update(
-            optax.tree.cast_like(grads, updates), inner_opt_state, params, **extra_args
-        )
-        # Both branches must return the same dtypes; keep the state's (as
-        # optax does), which also keeps it stable as a lax.scan carry.
-        new_inner_state = jax.tree.map(
-            lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
-            new_inner_state,
-            inner_opt_state,
-        )
-        return new_updates, new_inner_state
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
         """Returns whether the call that produced ``state`` emitted an update.
@@ -509,27 +471,20 @@ class MultiSteps:
         return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
     def noise_estimates(self, state: MultiStepsState) -> NoiseEstimates:
-        """The gradient noise scale of the window the last call emitted.
-
-        Needs ``track_noise_scale=True``. Right after an emitting call
-        (:meth:`has_updated`) the state still holds the window's sums: the
-        ``N`` calls' gradients ``g_k`` (means over their micro-batches, of
-        weight ``w_k``: ``weight=``, or 1 per call) and their squared norms
-        give the estimates of :class:`jaxaccum.WindowStats` with ``b = W / N``
-        and ``B = W`` in the units of ``weight`` (pass ``weight=`` the
-        micro-batch's examples or tokens to get ``noise_scale`` in those;
-        without it, it counts calls). NaN on other calls.
+        """The gradient noise estimates of the window the last call emitted:
+        :meth:`window_stats`' ``gradient_norm_sq``, ``gradient_noise_trace``
+        and ``noise_scale``, in the units of ``weight=`` (NaN on other calls).
 
         Args:
           state: the state an emitting call returned.
 
         Returns:
-          :class:`jaxaccum.NoiseEstimates`: ``gradient_norm_sq``,
-          ``gradient_noise_trace`` and ``noise_scale``; fold them into a
-          :class:`jaxaccum.NoiseScaleEMA`.
+          A :class:`jaxaccum.NoiseEstimates`.
+
+        Raises:
+          ValueError: without ``track_noise_scale=True``.
         """
-        self._require_tracking("noise_estimates")
-        stats = self._window_stats(state)
+        stats = self._tracked_stats(state, "noise_estimates")
         return NoiseEstimates(
             stats.gradient_norm_sq, stats.gradient_noise_trace, stats.noise_scale
         )
@@ -537,32 +492,15 @@ class MultiSteps:
     def window_stats(self, state: MultiStepsState) -> WindowStats:
         """What the window the last call emitted measured, for a controller.
 
-        Needs ``track_noise_scale=True``. The :class:`jaxaccum.WindowStats` of
-        the window, with the estimates of :meth:`noise_estimates`, so that
-        ``controller.update(controller_state, opt.window_stats(state))`` (a
-        :func:`jaxaccum.batch_ramp` or :func:`jaxaccum.noise_scale_batch`)
-        works as after an in-step window, inside ``jit`` too. Sizes are in the
-        units of ``weight=``: pass each call's examples (or tokens) so that
-        ``big_batch`` counts what the controller's schedule counts; without
-        ``weight=`` a call weighs 1. The state keeps the window's sums only,
-        so the per-micro-batch fields are empty, shape ``(0,)``:
-
-        * ``big_batch``: the window's total weight :math:`W`.
-        * ``grad_sq_norm``: :math:`|G_B|^2` of the window's mean gradient.
-        * ``gradient_norm_sq``, ``gradient_noise_trace``, ``noise_scale``: as
-          :meth:`noise_estimates`, with :math:`b = W / N` over the :math:`N`
-          calls of non-zero weight (NaN for :math:`N = 1`).
-        * ``finite``: whether both squared-norm sums are finite, i.e. every
-          call's gradient was (rejected calls do not count).
-        * ``microbatch_grad_sq_norm``, ``small_batch``,
-          ``microbatch_finite``: empty.
-
-        Valid right after an emitting call (:meth:`has_updated`); on other
-        calls the scalars are NaN and ``finite`` is False, so update the
-        controller on emitting calls only (``jax.lax.cond`` on
-        :meth:`has_updated`). ``has_updated`` stays True through calls that
-        ``should_skip_update_fn`` rejects right after an emitting call: with
-        one, update the controller where ``gradient_step`` advanced.
+        The window's :class:`jaxaccum.WindowStats` from its sums, as after an
+        in-step window of its ``N`` calls of non-zero weight: ``big_batch``
+        the window's total weight ``W`` (pass each call's examples or tokens
+        as ``weight=``; a call weighs 1 without), ``grad_sq_norm`` and the
+        estimates with ``b = W / N`` (NaN for ``N = 1``), ``finite`` whether
+        every accepted call's gradient was; the per-micro-batch fields are
+        empty. Right after an emitting call (:meth:`has_updated`) only: on
+        other calls the scalars are NaN and ``finite`` False; see [the
+        guide](../guides/multisteps.md#a-window-whose-length-changes).
 
         Args:
           state: the state an emitting call returned.
@@ -593,44 +531,17 @@ class MultiSteps:
           >>> float(opt.window_stats(state).big_batch)  # mid-window
           nan
         """
-        self._require_tracking("window_stats")
-        return self._window_stats(state)
+        return self._tracked_stats(state, "window_stats")
 
-    def _require_tracking(self, method: str) -> None:
-        if not self._track_noise_scale:
+    def _tracked_stats(self, state: MultiStepsState, method: str) -> WindowStats:
+        """:meth:`window_stats` from the state's sums, NaN mid-window."""
+        if not (self._track_noise_scale and isinstance(state.noise, WindowNoise)):
             raise ValueError(
                 f"{method} needs the window's squared norms: build "
                 "MultiSteps(..., track_noise_scale=True)."
             )
-
-    def _window_stats(self, state: MultiStepsState) -> WindowStats:
-        """:meth:`window_stats` from the state's sums, NaN mid-window."""
-        total = jnp.asarray(state.acc_weight, jnp.float32)
-        running_sq_norm, window_sq_norm = state.acc_sq_norm
-        calls = jnp.asarray(state.window_calls, jnp.float32)
-        estimates = estimate(
-            running_sq_norm / jnp.where(total > 0, total, 1.0),
-            window_sq_norm,
-            total / jnp.maximum(calls, 1.0),
-            total,
-        )
-        updated = self.has_updated(state)
-
-        def nan_mid_window(value: jax.Array) -> jax.Array:
-            return jnp.where(updated, value, jnp.full((), jnp.nan, jnp.float32))
-
-        estimates = jax.tree.map(nan_mid_window, estimates)
-        empty = jnp.zeros((0,), jnp.float32)
-        return WindowStats(
-            microbatch_grad_sq_norm=empty,
-            grad_sq_norm=nan_mid_window(window_sq_norm),
-            small_batch=empty,
-            big_batch=nan_mid_window(total),
-            gradient_norm_sq=estimates.gradient_norm_sq,
-            gradient_noise_trace=estimates.gradient_noise_trace,
-            noise_scale=estimates.noise_scale,
-            microbatch_finite=jnp.zeros((0,), jnp.bool_),
-            finite=updated & jnp.isfinite(running_sq_norm + window_sq_norm),
+        return _window_noise.window_stats(
+            state.noise, jnp.asarray(state.acc_weight), self.has_updated(state)
         )
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:

@@ -398,7 +398,9 @@ def test_complex_parameters_count_their_imaginary_parts():
     )
     # MultiSteps (weight 1 per call): sum_k |g_k|^2 and |mean_k g_k|^2.
     chex.assert_trees_all_close(
-        state.acc_sq_norm, np.array([sum(micro_sq), sq_norm(mean_grad)]), rtol=rtol
+        (state.noise.sq_norm_sum, state.noise.window_sq_norm),
+        (sum(micro_sq), sq_norm(mean_grad)),
+        rtol=rtol,
     )
     real_parts_only = np.sum(np.real(np.asarray(grads, np.complex128)) ** 2)
     assert float(stats.grad_sq_norm) > 1.5 * real_parts_only, (
