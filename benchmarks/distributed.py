@@ -78,7 +78,7 @@ def measure(task, mesh, num: int) -> dict:
         "num_microbatches": num,
     }
     for name, step in steps.items():
-        counts = jaxaccum.count_collectives(step.lower(params, batch).compile())
+        counts = jaxaccum.testing.count_collectives(step.lower(params, batch).compile())
         row[f"{name}_all_reduce"] = counts["all-reduce"]
     # Same numbers both ways (this also warms both up): the same float32 sums
     # of BATCH_SIZE rows in another order, at most 2 B u apart (u = 2**-24;
@@ -151,7 +151,7 @@ def sharded_rows(mesh) -> list[dict]:
                 {
                     "mode": mode,
                     "num_microbatches": num,
-                    "window_bytes": jaxaccum.window_bytes(compiled, num),
+                    "window_bytes": jaxaccum.testing.window_bytes(compiled, num),
                     "device_bytes": total_bytes(compiled.memory_analysis()),
                     "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                 }

@@ -9,9 +9,10 @@ plain code. The pages' Markdown stays as written (it reads the same on GitHub); 
 links are autorefs' (``[`name`][jaxaccum.name]``), so a name the reference
 does not document is left alone and the strict build checks every link made.
 
-Short names (`` `value_and_grad` ``) are linked when they are unambiguous
-identifiers of ``jaxaccum``'s namespace: they hold an underscore or a capital
-(``plan`` or ``grad`` alone could mean anything in prose).
+Short names (`` `value_and_grad` ``, `` `BatchRamp` ``) are linked when they
+are unambiguous identifiers of ``jaxaccum``'s or ``jaxaccum.growth``'s
+namespace: they hold an underscore or a capital (``plan`` or ``grad`` alone
+could mean anything in prose).
 """
 
 import importlib
@@ -19,13 +20,20 @@ import pathlib
 import re
 from typing import Any
 
-PUBLIC_MODULES = ("jaxaccum", "jaxaccum.testing", "jaxaccum.flax", "jaxaccum.equinox")
+PUBLIC_MODULES = (
+    "jaxaccum",
+    "jaxaccum.growth",
+    "jaxaccum.testing",
+    "jaxaccum.flax",
+    "jaxaccum.equinox",
+)
 PAGES = re.compile(r"^(?:index\.md|getting-started\.md|guides/[\w-]+\.md)$")
 FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.S | re.M)
 # A code span that is not a link's text nor part of one.
 CODE_SPAN = re.compile(r"(?<![\[`])`([^`]+?)`(?![`\]])")
 NAME = re.compile(
-    r"^((?:jaxaccum\.)?(?:(?:testing|flax|equinox)\.)?[A-Za-z_]\w*)(\(.*\))?$", re.S
+    r"^((?:jaxaccum\.)?(?:(?:growth|testing|flax|equinox)\.)?[A-Za-z_]\w*)(\(.*\))?$",
+    re.S,
 )
 DIRECTIVE = re.compile(r"^::: ([\w.]+)", flags=re.M)
 
@@ -47,7 +55,8 @@ def _documented(docs_dir: pathlib.Path) -> dict[str, str]:
             target = public if public in entries else _entry_of(getattr(module, name))
             if target in entries:
                 names.setdefault(public, target)
-                if module_name == "jaxaccum" and ("_" in name or name != name.lower()):
+                short = module_name in ("jaxaccum", "jaxaccum.growth")
+                if short and ("_" in name or name != name.lower()):
                     names.setdefault(name, target)
     return names
 

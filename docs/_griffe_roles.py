@@ -26,7 +26,13 @@ from typing import Any
 
 import griffe
 
-PUBLIC_MODULES = ("jaxaccum", "jaxaccum.testing", "jaxaccum.flax", "jaxaccum.equinox")
+PUBLIC_MODULES = (
+    "jaxaccum",
+    "jaxaccum.growth",
+    "jaxaccum.testing",
+    "jaxaccum.flax",
+    "jaxaccum.equinox",
+)
 ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|obj):`~?([\w.]+)`")
 MATH_ROLE = re.compile(r":math:`([^`]+)`")
 # A code span that is not already a link's text: `jax.lax.scan`, `jax.jit()`.

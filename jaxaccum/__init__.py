@@ -1,40 +1,24 @@
 """jaxaccum: exact, compiled, memory-true gradient accumulation for JAX.
 
-The public surface; the implementation lives in private modules named for
-their concept. ``jaxaccum.testing`` (chex assertions) loads on first use,
-``jaxaccum.flax`` and ``jaxaccum.equinox`` when imported.
+The core every user of accumulation needs (why each name is here:
+docs/api/index.md); the implementation lives in private modules named for
+their concept. Two sub-namespaces: ``jaxaccum.growth`` (batch-size
+controllers, the learning-rate rule, step cost, noise-scale averages) and
+``jaxaccum.testing`` (chex assertions, diagnosis, the compiled program's
+collectives), which loads on first use so that ``import jaxaccum`` does not
+load chex. ``jaxaccum.flax`` and ``jaxaccum.equinox`` load when imported.
 """
 
 import importlib
 import importlib.metadata
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from jaxaccum._growth import EXAMPLES_ONLY as EXAMPLES_ONLY
-from jaxaccum._growth import STEPS_ONLY as STEPS_ONLY
-from jaxaccum._growth import BatchRamp as BatchRamp
-from jaxaccum._growth import BatchRampState as BatchRampState
-from jaxaccum._growth import LearningRateRule as LearningRateRule
-from jaxaccum._growth import NoiseMoments as NoiseMoments
-from jaxaccum._growth import NoiseScaleBatch as NoiseScaleBatch
-from jaxaccum._growth import NoiseScaleBatchState as NoiseScaleBatchState
-from jaxaccum._growth import ScaleByBatchState as ScaleByBatchState
-from jaxaccum._growth import StepCost as StepCost
-from jaxaccum._growth import batch_ramp as batch_ramp
-from jaxaccum._growth import batch_scale as batch_scale
-from jaxaccum._growth import measure_step_cost as measure_step_cost
-from jaxaccum._growth import noise_scale_batch as noise_scale_batch
-from jaxaccum._growth import (
-    scale_by_batch_learning_rate as scale_by_batch_learning_rate,
-)
-from jaxaccum._hlo import collective_bytes as collective_bytes
-from jaxaccum._hlo import count_collectives as count_collectives
-from jaxaccum._hlo import window_bytes as window_bytes
+from jaxaccum import growth as growth
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._multisteps import accumulate as accumulate
 from jaxaccum._noise_scale import NoiseEstimates as NoiseEstimates
-from jaxaccum._noise_scale import NoiseScaleEMA as NoiseScaleEMA
-from jaxaccum._noise_scale import NoiseScaleState as NoiseScaleState
 from jaxaccum._noise_scale import WindowStats as WindowStats
 from jaxaccum._plan import MemoryPlan as MemoryPlan
 from jaxaccum._plan import MemoryPlanRow as MemoryPlanRow
@@ -59,11 +43,7 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("jaxaccum")
 
 __all__ = [
-    "BatchRamp",
-    "BatchRampState",
-    "EXAMPLES_ONLY",
     "FiniteReport",
-    "LearningRateRule",
     "MemoryPlan",
     "MemoryPlanRow",
     "ModePlan",
@@ -71,41 +51,75 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "NoiseEstimates",
-    "NoiseMoments",
-    "NoiseScaleBatch",
-    "NoiseScaleBatchState",
-    "NoiseScaleEMA",
-    "NoiseScaleState",
-    "STEPS_ONLY",
-    "ScaleByBatchState",
-    "StepCost",
+    "WindowStats",
     "accumulate",
-    "batch_ramp",
-    "batch_scale",
-    "collective_bytes",
-    "count_collectives",
     "grad",
+    "growth",
     "masked_sum",
-    "measure_step_cost",
-    "noise_scale_batch",
     "pad_microbatches",
     "parse_memory_budget",
     "plan",
     "plan_modes",
     "register_batch_node",
-    "scale_by_batch_learning_rate",
     "shard_batch",
     "shard_value_and_grad",
     "split_batch",
     "testing",
     "value_and_grad",
-    "window_bytes",
-    "WindowStats",
 ]
+
+# Top-level names of 0.1 that moved: (module, name) of their new home. They
+# keep working, with a DeprecationWarning, until jaxaccum 0.3.0.
+_MOVED = {
+    "count_collectives": ("jaxaccum.testing", "count_collectives"),
+    "collective_bytes": ("jaxaccum.testing", "collective_bytes"),
+    "window_bytes": ("jaxaccum.testing", "window_bytes"),
+    "BatchRamp": ("jaxaccum.growth", "BatchRamp"),
+    "BatchRampState": ("jaxaccum.growth", "BatchRampState"),
+    "batch_ramp": ("jaxaccum.growth", "BatchRamp"),
+    "NoiseScaleBatch": ("jaxaccum.growth", "NoiseScaleBatch"),
+    "NoiseScaleBatchState": ("jaxaccum.growth", "NoiseScaleBatchState"),
+    "noise_scale_batch": ("jaxaccum.growth", "NoiseScaleBatch"),
+    "EXAMPLES_ONLY": ("jaxaccum.growth", "EXAMPLES_ONLY"),
+    "STEPS_ONLY": ("jaxaccum.growth", "STEPS_ONLY"),
+    "NoiseMoments": ("jaxaccum.growth", "NoiseMoments"),
+    "NoiseScaleEMA": ("jaxaccum.growth", "NoiseScaleEMA"),
+    "StepCost": ("jaxaccum.growth", "StepCost"),
+    "measure_step_cost": ("jaxaccum.growth", "measure_step_cost"),
+    "LearningRateRule": ("jaxaccum.growth", "LearningRateRule"),
+    "batch_scale": ("jaxaccum.growth", "batch_scale"),
+    "ScaleByBatchState": ("jaxaccum.growth", "ScaleByBatchState"),
+    "scale_by_batch_learning_rate": ("jaxaccum.growth", "scale_by_batch_learning_rate"),
+}
+_REMOVED_IN = "0.3.0"
+# Top-level names of 0.1 with no new home.
+_GONE = {
+    "NoiseScaleState": "NoiseScaleEMA now averages per example; its state is "
+    "jaxaccum.growth.NoiseMoments (see the changelog).",
+    "ramp_from_schedule": "it lost to the same decay at a fixed batch on the "
+    "growth benchmark; build a ramp with jaxaccum.growth.BatchRamp.",
+    "ScheduleRamp": "it went with ramp_from_schedule.",
+}
+
+
+def __dir__() -> list[str]:
+    """The public names: the core and the two sub-namespaces."""
+    return sorted(__all__)
 
 
 def __getattr__(name: str) -> Any:
-    # `jaxaccum.testing` without importing it first, as before; chex loads then.
+    # `jaxaccum.testing` without importing it first; chex loads then.
     if name == "testing":
         return importlib.import_module("jaxaccum.testing")
+    if name in _MOVED:
+        module, new_name = _MOVED[name]
+        warnings.warn(
+            f"jaxaccum.{name} moved to {module}.{new_name}; the old path is "
+            f"removed in jaxaccum {_REMOVED_IN}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), new_name)
+    if name in _GONE:
+        raise AttributeError(f"jaxaccum.{name} was removed: {_GONE[name]}")
     raise AttributeError(f"module 'jaxaccum' has no attribute {name!r}")

@@ -77,7 +77,7 @@ def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
       >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
       >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
-      >>> counts = jaxaccum.count_collectives(
+      >>> counts = jaxaccum.testing.count_collectives(
       ...     step.lower(jnp.ones(3), jnp.ones((4, 3))).compile())
       >>> counts["all-reduce"]  # one device: nothing to reduce
       {'loop': 0, 'outside': 0}
@@ -105,7 +105,7 @@ def collective_bytes(compiled: Any) -> dict[str, dict[str, int]]:
       >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
       >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
-      >>> jaxaccum.collective_bytes(
+      >>> jaxaccum.testing.collective_bytes(
       ...     step.lower(jnp.ones(3), jnp.ones((4, 3))).compile())["all-reduce"]
       {'loop': 0, 'outside': 0}
     """
@@ -144,7 +144,7 @@ def window_bytes(compiled: Any, num_microbatches: int) -> int:
       >>> import jaxaccum
       >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
       >>> compiled = step.lower(jnp.ones(3), jnp.ones((4, 3))).compile()
-      >>> jaxaccum.window_bytes(compiled, num_microbatches=2)  # one device
+      >>> jaxaccum.testing.window_bytes(compiled, num_microbatches=2)  # one device
       0
     """
     totals = collective_bytes(compiled).values()

@@ -515,7 +515,7 @@ class MultiSteps:
           >>> import jax.numpy as jnp
           >>> import optax
           >>> import jaxaccum
-          >>> ramp = jaxaccum.batch_ramp(4, {0: 2, 16: 4})
+          >>> ramp = jaxaccum.growth.BatchRamp(4, {0: 2, 16: 4})
           >>> opt = jaxaccum.MultiSteps(optax.sgd(0.1), None, track_noise_scale=True)
           >>> params = jnp.zeros(2)
           >>> state, ramp_state, sizes = opt.init(params), ramp.init(), []
@@ -526,7 +526,7 @@ class MultiSteps:
           ...     if opt.has_updated(state):
           ...         sizes.append(int(num))
           ...         ramp_state = ramp.update(ramp_state, opt.window_stats(state))
-          >>> sizes, float(ramp_state.examples_seen)
+          >>> sizes, float(ramp_state.examples_seen.total)
           ([2, 2, 4], 32.0)
           >>> float(opt.window_stats(state).big_batch)  # mid-window
           nan

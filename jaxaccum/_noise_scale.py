@@ -9,17 +9,19 @@ estimates of both (McCandlish et al. 2018, "An Empirical Model of Large-Batch
 Training", appendix A.1), and their ratio
 :math:`B_\text{simple} = \operatorname{tr}(\Sigma) / |G|^2` says roughly where
 a bigger batch stops cutting the number of steps.
+
+It holds one window's statistics, :class:`WindowStats` (from
+:func:`window_stats`, over the micro-batches' :class:`MicroStats`), and its
+estimates, :class:`NoiseEstimates` (:func:`estimate`). Averaged over a run,
+they are :class:`jaxaccum.growth.NoiseScaleEMA`'s.
 """
 
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
-
-from jaxaccum._options import static_scalar
 
 
 def in_stats_precision(leaf: Any) -> jax.Array:
@@ -63,12 +65,13 @@ class WindowStats(NamedTuple):
     * :math:`\operatorname{tr}(\Sigma) \approx \dfrac{S_b - S_B}{1/b - 1/B}`
 
     Each is unbiased; their ratio is not, so over a run average the two (see
-    :class:`NoiseScaleEMA`) and divide the averages. With one micro-batch
-    (:math:`N' = 1`) there is one batch size and both are NaN, as is the noise
-    scale: that is not an error. Under ``shard_value_and_grad`` every device's
-    micro-batches count: :math:`N' = N D` of :math:`B / (N D)` rows each. A
-    squared norm is :math:`\sum \operatorname{Re}(x \bar{x})` over every leaf,
-    complex ones included.
+    :class:`jaxaccum.growth.NoiseScaleEMA`) and divide the averages. With one
+    micro-batch (:math:`N' = 1`) there is one batch size and both are NaN, as
+    is the noise scale: that is not an error. Under ``shard_value_and_grad``
+    every device's micro-batches count: :math:`N' = N D` of :math:`B / (N D)`
+    rows each. A squared norm is
+    :math:`\sum \operatorname{Re}(x \bar{x})` over every leaf, complex ones
+    included.
 
     Attributes:
       microbatch_grad_sq_norm: float32 ``(N,)``, :math:`|G_k|^2` (under
@@ -119,7 +122,7 @@ class NoiseEstimates(NamedTuple):
         :math:`B_\text{simple} = \operatorname{tr}(\Sigma) / |G|^2`, in
         examples (or weight units). One window's ratio is noisy and biased:
         average numerator and denominator over windows with
-        :class:`NoiseScaleEMA`.
+        :class:`jaxaccum.growth.NoiseScaleEMA`.
     """
 
     gradient_norm_sq: jax.Array
@@ -219,122 +222,3 @@ def window_stats(
         microbatch_finite=finite,
         finite=jnp.all(finite),
     )
-
-
-class NoiseScaleState(NamedTuple):
-    r"""The state of :class:`NoiseScaleEMA`: a pytree, checkpointable as it is.
-
-    Attributes:
-      gradient_norm_sq: EMA of the :math:`|G|^2` estimates (not bias-corrected).
-      gradient_noise_trace: EMA of the :math:`\operatorname{tr}(\Sigma)`
-        estimates (likewise).
-      num_windows: int32, windows averaged so far (those with finite
-        estimates).
-    """
-
-    gradient_norm_sq: jax.Array
-    gradient_noise_trace: jax.Array
-    num_windows: jax.Array
-
-
-def check_decay(name: str, value: Any) -> float:
-    """An EMA's decay, ``value``, as a Python float in ``[0, 1)``, or an error
-    naming the argument ``name`` the user passed it as.
-
-    Raises:
-      TypeError: for a value that is not a concrete real scalar.
-      ValueError: for a value outside ``[0, 1)``, or one that float32, where
-        the averages are kept, rounds to 1 (then no window is ever taken in).
-    """
-    hint = "Pass a decay in [0, 1), e.g. 0.95."
-    decay = static_scalar(name, value, integer=False, low=0.0, high=1.0, hint=hint)
-    if np.float32(decay) == 1.0:
-        raise ValueError(
-            f"{name} must be in [0, 1), got {decay!r}"
-            + (", which float32 rounds to 1" if decay < 1.0 else "")
-            + ": the averages are kept in float32, and a decay of 1 never takes "
-            f"a window in. {hint}"
-        )
-    return decay
-
-
-class NoiseScaleEMA:
-    r"""Running :math:`B_\text{simple}`: averages of :math:`|G|^2` and
-    :math:`\operatorname{tr}(\Sigma)`, divided.
-
-    Each window's estimates are unbiased but noisy (a window's :math:`|G|^2`
-    estimate can be negative); their ratio is biased. So, as gpt-neox does,
-    this keeps exponential moving averages of the numerator and the
-    denominator separately, bias-corrected as in Adam
-    (:math:`1 - \text{decay}^{\text{num\_windows}}`),
-    and :meth:`noise_scale` divides the averages. Windows with a NaN or
-    infinite estimate (one micro-batch, a non-finite gradient) are skipped.
-
-    Args:
-      decay: the averages' decay per window, a real number in ``[0, 1)``
-        (a Python, NumPy or concrete JAX scalar; kept as a Python float).
-
-    Raises:
-      TypeError: for a ``decay`` that is not a concrete real scalar.
-      ValueError: for a ``decay`` outside ``[0, 1)``, or so close to 1 that
-        float32 rounds it to 1.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import jaxaccum
-      >>> ema = jaxaccum.NoiseScaleEMA(decay=0.9)
-      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
-      >>> step = jaxaccum.value_and_grad(loss, 4, report_stats=True)
-      >>> state = ema.init()
-      >>> x = jnp.arange(48.0).reshape(16, 3) / 48
-      >>> (value, grads), stats = step(jnp.ones(3), x)
-      >>> state = ema.update(state, stats)
-      >>> int(state.num_windows), bool(ema.noise_scale(state) > 0)
-      (1, True)
-    """
-
-    def __init__(self, decay: float = 0.99):
-        self.decay = check_decay("decay", decay)
-
-    def init(self) -> NoiseScaleState:
-        """The state before any window."""
-        zero = jnp.zeros((), jnp.float32)
-        return NoiseScaleState(zero, zero, jnp.zeros((), jnp.int32))
-
-    def update(
-        self, state: NoiseScaleState, stats: WindowStats | NoiseEstimates
-    ) -> NoiseScaleState:
-        """Folds one window's estimates into the averages (jittable)."""
-        new = (stats.gradient_norm_sq, stats.gradient_noise_trace)
-        usable = jnp.isfinite(new[0]) & jnp.isfinite(new[1])
-        old = (state.gradient_norm_sq, state.gradient_noise_trace)
-        averaged = [
-            jnp.where(usable, self.decay * o + (1 - self.decay) * n, o)
-            for o, n in zip(old, new, strict=True)
-        ]
-        return NoiseScaleState(
-            averaged[0], averaged[1], state.num_windows + usable.astype(jnp.int32)
-        )
-
-    def _corrected(self, state: NoiseScaleState) -> tuple[jax.Array, jax.Array]:
-        correction = 1 - self.decay ** state.num_windows.astype(jnp.float32)
-        correction = jnp.where(state.num_windows > 0, correction, jnp.nan)
-        return (
-            state.gradient_norm_sq / correction,
-            state.gradient_noise_trace / correction,
-        )
-
-    def gradient_norm_sq(self, state: NoiseScaleState) -> jax.Array:
-        """The bias-corrected average :math:`|G|^2`; NaN before any window."""
-        return self._corrected(state)[0]
-
-    def gradient_noise_trace(self, state: NoiseScaleState) -> jax.Array:
-        r"""The bias-corrected average :math:`\operatorname{tr}(\Sigma)`; NaN
-        before any window."""
-        return self._corrected(state)[1]
-
-    def noise_scale(self, state: NoiseScaleState) -> jax.Array:
-        r"""The noise scale :math:`B_\text{simple}`: the ratio of the averages;
-        NaN before any window."""
-        norm_sq, trace = self._corrected(state)
-        return trace / norm_sq

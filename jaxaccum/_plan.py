@@ -337,7 +337,7 @@ class ModePlanRow:
       temp_bytes: the per-device temporaries (gathered parameters, gradient
         accumulators, activations).
       window_bytes: bytes the step's collectives move per window and device
-        (:func:`jaxaccum.window_bytes`).
+        (:func:`jaxaccum.testing.window_bytes`).
       fits: whether ``total_bytes`` is within the budget.
     """
 

@@ -81,7 +81,7 @@ def make_mesh(axis_type, shape=(NUM_DEVICES,), names=("data",)):
 
 
 def collectives(compiled):
-    counts = jaxaccum.count_collectives(compiled)
+    counts = jaxaccum.testing.count_collectives(compiled)
     assert " while(" in compiled.as_text(), "the micro-batch loop was unrolled"
     return counts
 

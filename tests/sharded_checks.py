@@ -217,7 +217,7 @@ def check_window_bytes():
                 loss, num, param_gather=mode, grad_reduce=mode
             )
             compiled, _ = compiled_step(fun, mesh, specs, args, "explicit")
-            moved[mode] = jaxaccum.window_bytes(compiled, num)
+            moved[mode] = jaxaccum.testing.window_bytes(compiled, num)
         # + 1 KiB: the loss (and other scalars) reduced once either way.
         assert moved["window"] <= moved["microbatch"] / num + 1024, (num, moved)
         ratios.append(f"N={num}: {moved['window']}/{moved['microbatch']} B")
@@ -239,7 +239,9 @@ def check_gather_dtype():
         _, out = compiled_step(fun, mesh, specs, args, "explicit")
         with jax.set_mesh(mesh):
             emitted = jax.jit(fun).lower(*args).as_text(dialect="hlo")
-        gathered[dtype] = jaxaccum.collective_bytes(emitted)["all-gather"]["outside"]
+        gathered[dtype] = jaxaccum.testing.collective_bytes(emitted)["all-gather"][
+            "outside"
+        ]
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(out[1]))
     chex.assert_trees_all_close(out, reference, rtol=2e-2, atol=2e-3)
     assert gathered[None] > 0 and gathered[jnp.bfloat16] * 2 == gathered[None], gathered
@@ -480,7 +482,7 @@ def check_bfloat16(layout):
             emitted = jax.jit(step).lower(*args).as_text(dialect="hlo")
         low = low_precision_reductions(find_collectives(emitted))
         assert not low, f"{gather}/{reduce}: reductions not in float32: {low}"
-        scattered[f"{gather}/{reduce}"] = jaxaccum.collective_bytes(emitted)[
+        scattered[f"{gather}/{reduce}"] = jaxaccum.testing.collective_bytes(emitted)[
             "reduce-scatter"
         ]
     worst = check_bfloat16_grads(out, params, batch)

@@ -184,7 +184,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 
 
 def test_count_collectives_separates_loop_from_the_rest():
-    counts = jaxaccum.count_collectives(HLO)
+    counts = jaxaccum.testing.count_collectives(HLO)
     assert counts["all-reduce"] == {"loop": 1, "outside": 1}, counts
     assert counts["all-to-all"] == {"loop": 0, "outside": 1}, counts
     assert counts["collective-permute"] == {"loop": 0, "outside": 0}, counts

@@ -11,6 +11,8 @@ sqrt), so a factor of k operations is within k u (relative) of its float64
 value; the tests allow twice that.
 """
 
+import ast
+import pathlib
 import types
 from typing import NamedTuple
 
@@ -23,17 +25,43 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from hypothesis import strategies as st
+from noise_average import per_example_average
 from noise_population import mean_loss, per_example_loss, population, sample, truth
 
 import jaxaccum
-from jaxaccum._growth import (
-    batch_ramp,
+import jaxaccum.growth._step_cost
+from jaxaccum.growth import (
+    EXAMPLES_ONLY,
+    STEPS_ONLY,
+    BatchRamp,
+    ExamplesSeen,
+    NoiseScaleBatch,
     batch_scale,
-    noise_scale_batch,
+    measure_step_cost,
     scale_by_batch_learning_rate,
 )
 
 UNIT_ROUNDOFF = 2.0**-24  # float32
+
+
+def test_the_namespace_re_exports_exactly_its_all():
+    """``jaxaccum.growth`` defines nothing: each name is ``from
+    jaxaccum.growth._module import Name as Name``, and ``__all__`` lists
+    exactly those, once each."""
+    source = pathlib.Path(jaxaccum.growth.__file__).read_text()
+    imported, defined = [], []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom):
+            assert node.module.startswith("jaxaccum.growth._"), node.module
+            imported += [alias.name for alias in node.names]
+            assert all(alias.asname == alias.name for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            defined += [ast.unparse(target) for target in node.targets]
+        elif not isinstance(node, ast.Expr):  # the docstring is one
+            defined.append(type(node).__name__)
+    assert defined == ["__all__"], defined
+    assert sorted(imported) == sorted(jaxaccum.growth.__all__), imported
+    assert len(set(jaxaccum.growth.__all__)) == len(jaxaccum.growth.__all__)
 
 
 class Totals(NamedTuple):
@@ -58,9 +86,9 @@ def expected_ramp_sizes(schedule, window_weights):
     [lambda num: 8.0 * num, lambda num: 8.0 * num - 3.0],  # examples; tokens
     ids=["examples", "tokens"],
 )
-def test_batch_ramp_follows_its_schedule(weight):
+def test_ramp_follows_its_schedule(weight):
     schedule = {0: 1, 16: 2, 48: 4, 100: 3, 160: 8}
-    ramp = batch_ramp(8, schedule)
+    ramp = BatchRamp(8, schedule)
     state, sizes = ramp.init(), []
     for _ in range(12):
         sizes.append(ramp.num_microbatches(state))
@@ -68,12 +96,12 @@ def test_batch_ramp_follows_its_schedule(weight):
         state = ramp.update(state, Totals(weight(sizes[-1])))
     expected, seen = expected_ramp_sizes(schedule, [weight] * 12)
     assert sizes == expected, f"ramp gave {sizes}, its schedule {expected}"
-    assert float(state.examples_seen) == seen
+    assert float(state.examples_seen.total) == seen
     assert ramp.possible_num_microbatches == (1, 2, 3, 4, 8)
 
 
-def test_batch_ramp_on_value_and_grad_hits_a_key_exactly():
-    ramp = batch_ramp(4, {0: 1, 8: 2, 24: 4})
+def test_ramp_on_value_and_grad_hits_a_key_exactly():
+    ramp = BatchRamp(4, {0: 1, 8: 2, 24: 4})
     x, y = population()
     update = jax.jit(ramp.update)
     state, sizes = ramp.init(), []
@@ -88,19 +116,21 @@ def test_batch_ramp_on_value_and_grad_hits_a_key_exactly():
     # Examples seen: 4, 8 (= key 8: the next window has 2), 16, 24 (= key 24),
     # 40.
     assert sizes == [1, 1, 2, 2, 4], sizes
-    assert float(state.examples_seen) == 40.0
+    assert float(state.examples_seen.total) == 40.0
 
 
 def test_examples_seen_stays_exact_past_float32_integers():
     # Past 2**24 a plain float32 sum drops small windows: 2**26 + 3 rounds
     # back to 2**26 (spacing 8), so it would never move. Kahan's compensation
     # keeps the exact count, 2**26 + 3000, which float32 represents.
-    ramp = batch_ramp(3, {0: 1, 2**26 + 2_000: 2})
-    state = ramp.init()._replace(examples_seen=jnp.float32(2**26))
+    ramp = BatchRamp(3, {0: 1, 2**26 + 2_000: 2})
+    state = ramp.init()._replace(
+        examples_seen=ExamplesSeen(jnp.float32(2**26), jnp.float32(0))
+    )
     update = jax.jit(ramp.update)
     for _ in range(1000):
         state = update(state, Totals(3.0))
-    assert float(state.examples_seen) == 2**26 + 3000
+    assert float(state.examples_seen.total) == 2**26 + 3000
     assert ramp.num_microbatches(state) == 2
 
 
@@ -115,16 +145,16 @@ def test_examples_seen_stays_exact_past_float32_integers():
         ({"microbatch_size": 8, "schedule": {0: 2**31}}, r"schedule\[0\].*2\*\*31"),
     ],
 )
-def test_batch_ramp_rejects_bad_arguments(kwargs, message):
+def test_ramp_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        batch_ramp(**kwargs)
+        BatchRamp(**kwargs)
 
 
-def test_batch_ramp_rejects_non_integer_sizes():
+def test_ramp_rejects_non_integer_sizes():
     with pytest.raises(TypeError, match=r"schedule\[0\].*2.5"):
-        batch_ramp(8, {0: 2.5})
+        BatchRamp(8, {0: 2.5})
     with pytest.raises(TypeError, match="microbatch_size.*float"):
-        batch_ramp(8.0, {0: 1})
+        BatchRamp(8.0, {0: 1})
 
 
 @pytest.mark.parametrize(
@@ -142,10 +172,10 @@ def test_batch_ramp_rejects_non_integer_sizes():
         ({"sizes": (2, 128)}, "end at most at max_microbatches"),
     ],
 )
-def test_noise_scale_batch_rejects_bad_arguments(kwargs, message):
+def test_noise_controller_rejects_bad_arguments(kwargs, message):
     arguments = {"microbatch_size": 8, "max_microbatches": 64} | kwargs
     with pytest.raises(ValueError, match=message):
-        noise_scale_batch(**arguments)
+        NoiseScaleBatch(**arguments)
 
 
 def run_controller(controller, state, windows):
@@ -169,17 +199,17 @@ def steady(b_noise):
         # sqrt(64 * 512) = 181 examples, 23 micro-batches. The target:
         # sqrt(c B_noise) = sqrt(64 * 1600) = 320 examples, 40 micro-batches.
         ({"step_cost": 64.0}, 23, 40),
-        ({"step_cost": jaxaccum.EXAMPLES_ONLY}, 2, 2),  # examples only: smallest
-        ({"step_cost": jaxaccum.STEPS_ONLY}, 64, 64),  # steps only: largest
+        ({"step_cost": EXAMPLES_ONLY}, 2, 2),  # examples only: smallest
+        ({"step_cost": STEPS_ONLY}, 64, 64),  # steps only: largest
         ({"kappa": 0.25}, 2, 50),  # kappa B_noise = 400 examples; starts smallest
         # Powers of two: 128 and 256 tie for the start; 320 is nearer 256's time.
         ({"step_cost": 64.0, "sizes": (2, 4, 8, 16, 32, 64)}, 16, 32),
     ],
 )
-def test_noise_scale_batch_moves_to_the_size_of_least_predicted_time(
+def test_noise_controller_moves_to_the_size_of_least_predicted_time(
     kwargs, start, settled
 ):
-    controller = noise_scale_batch(8, 64, **kwargs)
+    controller = NoiseScaleBatch(8, 64, **kwargs)
     nan = lambda num: Totals(8.0 * num)  # noqa: E731  one micro-batch: NaN
     sizes, state = run_controller(
         controller, controller.init(), [nan] * 3 + [steady(1600.0)] * 8
@@ -188,11 +218,11 @@ def test_noise_scale_batch_moves_to_the_size_of_least_predicted_time(
     # NaN ones do not count, and decayed weights make 4 windows 3.99 effective
     # ones: the move follows the 5th finite window, the 8th; one move.
     assert sizes == [start] * 8 + [settled] * 3, sizes
-    assert float(state.examples_seen) == 8.0 * sum(sizes)
+    assert float(state.examples_seen.total) == 8.0 * sum(sizes)
     assert int(state.noise.num_windows) == 8
 
 
-def test_noise_scale_batch_moves_as_far_as_its_evidence_band_allows():
+def test_noise_controller_moves_as_far_as_its_evidence_band_allows():
     # Noisy |G|^2 around 1, tr(Sigma) 1600: the target is 40 micro-batches
     # (from 23). A grow-only window moved to the band's near end: with no band
     # it follows the noise up to the largest; with one or two standard errors
@@ -203,7 +233,7 @@ def test_noise_scale_batch_moves_as_far_as_its_evidence_band_allows():
     ]
     runs = {}
     for standard_errors in (0.0, 1.0, 2.0):
-        controller = noise_scale_batch(
+        controller = NoiseScaleBatch(
             8, 64, step_cost=64.0, standard_errors=standard_errors
         )
         runs[standard_errors] = run_controller(controller, controller.init(), windows)[
@@ -215,10 +245,10 @@ def test_noise_scale_batch_moves_as_far_as_its_evidence_band_allows():
     assert all(32 <= runs[z][-1] <= 48 for z in (1.0, 2.0)), runs
 
 
-def test_noise_scale_batch_shrinks_only_when_asked_and_by_half():
+def test_noise_controller_shrinks_only_when_asked_and_by_half():
     windows = [steady(1600.0)] * 12 + [steady(25.0)] * 60  # targets 40, then 5
     for shrink in (False, True):
-        controller = noise_scale_batch(8, 64, step_cost=64.0, shrink=shrink)
+        controller = NoiseScaleBatch(8, 64, step_cost=64.0, shrink=shrink)
         sizes, _ = run_controller(controller, controller.init(), windows)
         # Shrinking waits for the averages to follow: by the end at most half
         # of 40, on the way to 5.
@@ -233,16 +263,17 @@ def changing_population_run(num, key, half_life):
     each window. One compiled scan."""
     x, y = population()
     optimum = jnp.linalg.lstsq(x, y)[0]
-    controller = noise_scale_batch(8, num, min_microbatches=num, half_life=half_life)
+    controller = NoiseScaleBatch(8, num, min_microbatches=num, half_life=half_life)
     step = jaxaccum.value_and_grad(
         mean_loss, num, batch_argnums=(1, 2), report_stats=True
     )
 
     def window(state, key):
-        params = (1.0 - 0.4 * jnp.exp2(-state.examples_seen / 4000.0)) * optimum
+        seen = state.examples_seen.total
+        params = (1.0 - 0.4 * jnp.exp2(-seen / 4000.0)) * optimum
         stats = step(params, *sample(key, x, y, num * 8, "mean"))[1]
         state = controller.update(state, stats)
-        return state, (state.examples_seen, controller.noise_scale(state))
+        return state, (state.examples_seen.total, controller.noise_scale(state))
 
     keys = jax.random.split(key, 16_384 // (8 * num))
     _, (seen, noise_scale) = jax.jit(jax.lax.scan, static_argnums=0)(
@@ -287,10 +318,10 @@ def random_windows(count):
 @pytest.mark.parametrize("kind", ["ramp", "noise"])
 def test_states_survive_an_orbax_round_trip_mid_run(tmp_path, kind):
     if kind == "ramp":
-        controller = batch_ramp(8, {0: 2, 100: 4, 300: 8})
+        controller = BatchRamp(8, {0: 2, 100: 4, 300: 8})
     else:
         # No band: the size moves once 4 effective windows are in.
-        controller = noise_scale_batch(8, 64, kappa=1.0, standard_errors=0.0)
+        controller = NoiseScaleBatch(8, 64, kappa=1.0, standard_errors=0.0)
     windows = random_windows(40)
     through, through_state = run_controller(controller, controller.init(), windows)
     first, middle = run_controller(controller, controller.init(), windows[:5])
@@ -303,8 +334,8 @@ def test_states_survive_an_orbax_round_trip_mid_run(tmp_path, kind):
 
 
 def test_update_jits_once_across_window_sizes():
-    ramp = batch_ramp(4, {0: 1, 8: 2, 24: 4})
-    controller = noise_scale_batch(4, 8, kappa=1.0, standard_errors=0.0)
+    ramp = BatchRamp(4, {0: 1, 8: 2, 24: 4})
+    controller = NoiseScaleBatch(4, 8, kappa=1.0, standard_errors=0.0)
     x, y = population()
     ramp_update = jax.jit(chex.assert_max_traces(ramp.update, n=1))
     noise_update = jax.jit(chex.assert_max_traces(controller.update, n=1))
@@ -326,8 +357,8 @@ def test_update_jits_once_across_window_sizes():
 # (big_batch NaN), a negative or infinite total.
 BAD_TOTALS = [float("nan"), float("inf"), -float("inf"), -8.0]
 CONTROLLERS = {
-    "ramp": lambda: batch_ramp(8, {0: 2, 16: 4}),
-    "noise": lambda: noise_scale_batch(8, 64, kappa=1.0, standard_errors=0.0),
+    "ramp": lambda: BatchRamp(8, {0: 2, 16: 4}),
+    "noise": lambda: NoiseScaleBatch(8, 64, kappa=1.0, standard_errors=0.0),
 }
 
 
@@ -351,7 +382,8 @@ def test_non_finite_estimates_count_their_examples_only():
     for norm_sq, trace in ((np.nan, 1.0), (1.0, np.inf), (3e38, 1.0)):
         after = controller.update(state, Totals(16.0, norm_sq, trace))
         chex.assert_trees_all_equal(after.noise, state.noise)
-        assert float(after.examples_seen) == float(state.examples_seen) + 16.0
+        seen = float(state.examples_seen.total)
+        assert float(after.examples_seen.total) == seen + 16.0
 
 
 @pytest.mark.parametrize("kind", sorted(CONTROLLERS))
@@ -360,12 +392,12 @@ def test_examples_seen_never_steps_back(kind):
     would lower examples_seen; it stays owed instead, the exact count kept."""
     controller = CONTROLLERS[kind]()
     state = controller.init()._replace(
-        examples_seen=jnp.float32(4.5e16), examples_seen_error=jnp.float32(4e9)
+        examples_seen=ExamplesSeen(jnp.float32(4.5e16), jnp.float32(4e9))
     )
     after = jax.jit(controller.update)(state, Totals(*map(np.float32, (0, 0, 0))))
-    assert float(after.examples_seen) == float(state.examples_seen)
-    exact = float(state.examples_seen) - float(state.examples_seen_error)
-    assert float(after.examples_seen) - float(after.examples_seen_error) == exact
+    assert float(after.examples_seen.total) == float(state.examples_seen.total)
+    exact = float(state.examples_seen.total) - float(state.examples_seen.error)
+    assert float(after.examples_seen.total) - float(after.examples_seen.error) == exact
 
 
 # Derandomized in CI (the same 40 draws each run); it once drew a window of 0
@@ -383,9 +415,9 @@ def test_arbitrary_windows_keep_the_state_finite_and_the_count_monotone(totals):
         controller = CONTROLLERS[kind]()
         state = controller.init()
         for window in totals:
-            before = float(state.examples_seen)
+            before = float(state.examples_seen.total)
             state = update(state, Totals(*map(np.float32, window)))
-            seen = float(state.examples_seen)
+            seen = float(state.examples_seen.total)
             assert np.isfinite(seen) and seen >= before, (kind, window, seen)
             chex.assert_tree_all_finite(
                 jax.tree.map(lambda leaf: jnp.asarray(leaf, jnp.float32), state)
@@ -400,11 +432,11 @@ PROPERTY_UPDATES = {kind: jax.jit(make().update) for kind, make in CONTROLLERS.i
 def _fake_clock(monkeypatch) -> list[float]:
     """``measure_step_cost``'s clock, advanced by the steps themselves: the
     answer is exact, whatever the host's load."""
-    import jaxaccum._growth as growth
-
     clock = [0.0]
     monkeypatch.setattr(
-        growth, "time", types.SimpleNamespace(perf_counter=lambda: clock[0])
+        jaxaccum.growth._step_cost,
+        "time",
+        types.SimpleNamespace(perf_counter=lambda: clock[0]),
     )
     return clock
 
@@ -417,15 +449,15 @@ def test_measure_step_cost_solves_for_the_step_and_the_example(monkeypatch):
         clock[0] += 0.020 + 0.001 * 4 * num + next(scatter, 0.0)
         return jnp.zeros(())
 
-    cost = jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
+    cost = measure_step_cost(window_step, 4, (1, 8), repeats=3)
     np.testing.assert_allclose(cost.example_seconds, 0.001, rtol=1e-9)
     np.testing.assert_allclose(cost.step_seconds, 0.020, rtol=1e-9)
     np.testing.assert_allclose(cost.step_cost, 20.0, rtol=1e-9)
     np.testing.assert_allclose(cost.step_cost_error, 0.0, atol=1e-9)  # medians = least
     with pytest.raises(ValueError, match="two increasing sizes"):
-        jaxaccum.measure_step_cost(window_step, 4, (8, 8))
+        measure_step_cost(window_step, 4, (8, 8))
     with pytest.raises(ValueError, match="timing noise"):
-        jaxaccum.measure_step_cost(lambda num: jnp.zeros(()), 4, (1, 8))
+        measure_step_cost(lambda num: jnp.zeros(()), 4, (1, 8))
 
 
 @pytest.mark.parametrize("step_seconds", [0.0005, 0.0205])
@@ -444,9 +476,9 @@ def test_measure_step_cost_error_and_refusal(monkeypatch, step_seconds):
 
     if step_seconds < 0.004:
         with pytest.raises(ValueError, match=r"not resolved.*at most about 5 exam"):
-            jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
+            measure_step_cost(window_step, 4, (1, 8), repeats=3)
         return
-    cost = jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
+    cost = measure_step_cost(window_step, 4, (1, 8), repeats=3)
     np.testing.assert_allclose(cost.step_seconds, step_seconds, rtol=1e-9)
     np.testing.assert_allclose(cost.step_cost_error, 0.004 * 32 / 28 / 0.001, rtol=1e-9)
 
@@ -507,7 +539,7 @@ def test_schedule_is_indexed_by_examples_seen():
     def rates(batch_size, windows):
         state, seen_rates = optimizer.init(jnp.zeros(2)), {}
         for _ in range(windows):
-            seen = float(state.examples_seen)
+            seen = float(state.examples_seen.total)
             _, state = update(jnp.ones(2), state, batch_size=jnp.float32(batch_size))
             seen_rates[seen] = float(state.learning_rate)
         return seen_rates
@@ -534,26 +566,43 @@ def test_transform_scales_updates_and_follows_the_batch_without_retracing():
         np.testing.assert_array_equal(updates, -expected * jnp.ones(2))
 
 
-def test_adascale_transform_averages_the_window_estimates():
-    decay = 0.5
+def test_adascale_transform_averages_the_window_estimates_per_example():
+    """Windows of 256 then 512 examples at a half-life of 256: weights 1/8 and
+    3/4 (per window, decayed alike, they would be 1/4 and 1/2). The factors
+    2**-1 and 2**-2 are exact, so each sum takes two roundings a window and
+    the average one more: about 6 added to the gain's 6."""
+    half_life = 256.0
     optimizer = scale_by_batch_learning_rate(
-        2.0, base_batch=64, rule="adascale", noise_decay=decay
+        2.0, base_batch=64, rule="adascale", noise_half_life=half_life
     )
     state = optimizer.init(jnp.zeros(2))
-    windows = [(1.0, 64.0), (3.0, 320.0)]
-    for norm_sq, trace in windows:
-        stats = Totals(256.0, norm_sq, trace)
+    windows = [Totals(256.0, 1.0, 64.0), Totals(512.0, 3.0, 320.0)]
+    for stats in windows:
         _, state = optimizer.update(
             jnp.ones(2), state, batch_size=stats.big_batch, noise_estimates=stats
         )
-    # Bias-corrected EMAs: (0.25 * 1 + 0.5 * 3) / 0.75 and likewise.
-    norm_sq = (decay * (1 - decay) * 1.0 + (1 - decay) * 3.0) / (1 - decay**2)
-    trace = (decay * (1 - decay) * 64.0 + (1 - decay) * 320.0) / (1 - decay**2)
-    expected = 2.0 * adascale_gain_float64(norm_sq, trace, 256, 64)
-    # The EMA and its correction add ~8 roundings to the gain's 6.
+    norm_sq, trace = per_example_average(windows, half_life)
+    np.testing.assert_allclose((norm_sq, trace), (19 / 7, 1984 / 7), rtol=1e-15)
+    expected = 2.0 * adascale_gain_float64(norm_sq, trace, 512, 64)
     np.testing.assert_allclose(
-        state.learning_rate, expected, rtol=2 * 14 * UNIT_ROUNDOFF
+        state.learning_rate, expected, rtol=2 * 12 * UNIT_ROUNDOFF
     )
+
+
+def test_adascale_default_half_life_is_64_base_batches():
+    def final_state(**half_life):
+        optimizer = scale_by_batch_learning_rate(0.1, 32, "adascale", **half_life)
+        state = optimizer.init(jnp.zeros(2))
+        for batch, norm_sq in ((64.0, 1.0), (256.0, 2.0), (128.0, 0.5)):
+            _, state = optimizer.update(
+                jnp.ones(2),
+                state,
+                batch_size=batch,
+                noise_estimates=Totals(batch, norm_sq, 100.0),
+            )
+        return state
+
+    chex.assert_trees_all_equal(final_state(), final_state(noise_half_life=2048.0))
 
 
 def test_transform_errors_say_what_to_pass():
@@ -622,7 +671,8 @@ def test_batch_size_must_be_a_scalar():
     with pytest.raises(TypeError, match=r"shape \(2,\)"):
         optimizer.update(jnp.ones(2), state, batch_size=jnp.array([64.0, 256.0]))
     _, state = optimizer.update(jnp.ones(2), state, batch_size=stats.big_batch)
-    assert state.examples_seen.shape == () and float(state.examples_seen) == 4.0
+    seen = state.examples_seen.total
+    assert seen.shape == () and float(seen) == 4.0
 
 
 def test_traced_nan_batch_is_not_counted():
@@ -632,9 +682,9 @@ def test_traced_nan_batch_is_not_counted():
     update = jax.jit(optimizer.update)
     state = optimizer.init(jnp.zeros(2))
     updates, state = update(jnp.ones(2), state, batch_size=jnp.float32(np.nan))
-    assert np.all(np.isnan(updates)) and float(state.examples_seen) == 0.0
+    assert np.all(np.isnan(updates)) and float(state.examples_seen.total) == 0.0
     _, state = update(jnp.ones(2), state, batch_size=jnp.float32(64.0))
-    assert float(state.examples_seen) == 64.0
+    assert float(state.examples_seen.total) == 64.0
 
 
 # Issue 35: each case gives the documented number, or jaxaccum's own error
@@ -647,12 +697,12 @@ def test_traced_nan_batch_is_not_counted():
         # (1 + B_noise / B)(c + B), every step exact in float32.
         (64.0, 64.0, 192.0, 4.0 * 128.0),
         (1024.0, 1024.0, 12_364.0, (1.0 + 12_364.0 / 1024.0) * 2048.0),
-        (jaxaccum.EXAMPLES_ONLY, 64.0, 192.0, 4.0 * 64.0),
-        (jaxaccum.STEPS_ONLY, 11.0, 11.0, 2.0),  # 1 + B_noise / B
+        (EXAMPLES_ONLY, 64.0, 192.0, 4.0 * 64.0),
+        (STEPS_ONLY, 11.0, 11.0, 2.0),  # 1 + B_noise / B
         (64.0, 64.0, 0.0, 128.0),  # no noise: c + B
         (64.0, 64.0, float("inf"), float("inf")),
         (64.0, 64.0, -5.0, float("inf")),  # |G|^2 below 0: lost in the noise
-        (jaxaccum.STEPS_ONLY, 64.0, float("inf"), float("inf")),
+        (STEPS_ONLY, 64.0, float("inf"), float("inf")),
     ],
 )
 def test_predicted_time_is_the_documented_formula(
@@ -661,13 +711,13 @@ def test_predicted_time_is_the_documented_formula(
     """It returned the formula divided by B_noise (2.17 for 12,364 examples
     at c = B = 1,024, where the formula gives 26,776; 0.18 for 11 with
     STEPS_ONLY, for 2) and a finite time for an infinite noise scale."""
-    controller = noise_scale_batch(8, 64, step_cost=step_cost, sizes=(2, 64))
+    controller = NoiseScaleBatch(8, 64, step_cost=step_cost, sizes=(2, 64))
     got = float(controller.predicted_time(batch, noise_scale))
     assert got == expected, (step_cost, batch, noise_scale, got, expected)
 
 
 def test_predicted_time_of_no_estimate_is_nan_and_its_arguments_are_checked():
-    controller = noise_scale_batch(8, 64)
+    controller = NoiseScaleBatch(8, 64)
     assert np.isnan(
         controller.predicted_time(64.0, controller.noise_scale(controller.init()))
     )
@@ -728,8 +778,8 @@ def test_the_same_run_counted_in_examples_or_tokens_takes_the_same_windows(
     tokens_per_example every quantity is in tokens, and since every one
     scales by the power of two T exactly, the windows are the same."""
     tokens = TOKENS_PER_EXAMPLE
-    in_examples = noise_scale_batch(4, 64, step_cost=64.0, half_life=half_life)
-    in_tokens = noise_scale_batch(
+    in_examples = NoiseScaleBatch(4, 64, step_cost=64.0, half_life=half_life)
+    in_tokens = NoiseScaleBatch(
         4,
         64,
         step_cost=64.0 * tokens,
@@ -745,8 +795,8 @@ def test_the_same_run_counted_in_examples_or_tokens_takes_the_same_windows(
     )
     assert tokens_sizes == examples_sizes, (tokens_sizes, examples_sizes)
     assert len(set(examples_sizes)) > 1, examples_sizes  # the window moved
-    assert float(tokens_state.examples_seen) == tokens * float(
-        examples_state.examples_seen
+    assert float(tokens_state.examples_seen.total) == tokens * float(
+        examples_state.examples_seen.total
     )
 
 
@@ -755,8 +805,8 @@ def test_the_start_and_half_life_count_a_micro_batch_in_the_controllers_unit():
     sqrt(16 x 256) = 64 examples, 8 micro-batches; in tokens (16 an example)
     the same, where mixing units started at sqrt(256 x 256) examples: 32."""
     sizes = (2, 4, 8, 16, 32)
-    in_examples = noise_scale_batch(8, 32, step_cost=16.0, sizes=sizes)
-    in_tokens = noise_scale_batch(
+    in_examples = NoiseScaleBatch(8, 32, step_cost=16.0, sizes=sizes)
+    in_tokens = NoiseScaleBatch(
         8, 32, step_cost=256.0, sizes=sizes, tokens_per_example=16
     )
     assert in_examples.start_microbatches == in_tokens.start_microbatches == 8
@@ -765,7 +815,7 @@ def test_the_start_and_half_life_count_a_micro_batch_in_the_controllers_unit():
 
 
 def test_a_window_counted_in_tokens_needs_tokens_per_example():
-    controller = noise_scale_batch(8, 32, step_cost=256.0)  # starts at 32
+    controller = NoiseScaleBatch(8, 32, step_cost=256.0)  # starts at 32
     state = controller.init()
     with pytest.raises(
         ValueError,
@@ -774,7 +824,7 @@ def test_a_window_counted_in_tokens_needs_tokens_per_example():
         controller.update(state, Totals(16.0 * 8 * 32, 1.0, 100.0))
     # The window's examples, or fewer (padding, masking), are counted.
     after = controller.update(state, Totals(8.0 * 32, 1.0, 100.0))
-    assert float(after.examples_seen) == 256.0
+    assert float(after.examples_seen.total) == 256.0
 
 
 def test_measure_step_cost_needs_three_timings_a_size():
@@ -782,9 +832,9 @@ def test_measure_step_cost_needs_three_timings_a_size():
     hiccup gave 142-159 +- 0 examples for a true 4. With 3, the least of them
     is the time, and a hiccup in one of them changes nothing."""
     with pytest.raises(ValueError, match=r"repeats must be >= 3, got 1.*scatter"):
-        jaxaccum.measure_step_cost(lambda num: None, 4, (1, 8), repeats=1)
+        measure_step_cost(lambda num: None, 4, (1, 8), repeats=1)
     with pytest.raises(ValueError, match="repeats must be >= 3, got 2"):
-        jaxaccum.measure_step_cost(lambda num: None, 4, (1, 8), repeats=2)
+        measure_step_cost(lambda num: None, 4, (1, 8), repeats=2)
 
 
 def test_a_hiccup_in_one_of_three_timings_leaves_the_cost_exact(monkeypatch):
@@ -795,7 +845,7 @@ def test_a_hiccup_in_one_of_three_timings_leaves_the_cost_exact(monkeypatch):
         clock[0] += 0.004 + 0.001 * 4 * num + (next(hiccups, 0.0) if num == 1 else 0)
         return jnp.zeros(())
 
-    cost = jaxaccum.measure_step_cost(window_step, 4, (1, 8), repeats=3)
+    cost = measure_step_cost(window_step, 4, (1, 8), repeats=3)
     np.testing.assert_allclose(cost.step_cost, 4.0, rtol=1e-9)
 
 
@@ -817,7 +867,7 @@ def test_measure_step_cost_errors_say_what_to_pass(kwargs, error, message):
         "num_microbatches": (1, 8),
     } | kwargs
     with pytest.raises(error, match=message):
-        jaxaccum.measure_step_cost(**arguments)
+        measure_step_cost(**arguments)
 
 
 def test_a_half_life_too_short_for_the_largest_window_is_refused():
@@ -830,15 +880,15 @@ def test_a_half_life_too_short_for_the_largest_window_is_refused():
         match=r"half_life=16 is too short for windows of up to 512 examples.*"
         r"here 1.00.*half_life >= 2 largest windows = 1024 examples",
     ):
-        noise_scale_batch(8, 64, half_life=16)
+        NoiseScaleBatch(8, 64, half_life=16)
     with pytest.raises(ValueError, match="half_life=1023 is too short"):
-        noise_scale_batch(8, 64, half_life=1023.0)
+        NoiseScaleBatch(8, 64, half_life=1023.0)
     in_tokens = r"up to 8192 tokens.*half_life >= 2 largest windows = 16384 tokens"
     with pytest.raises(ValueError, match=in_tokens):
-        noise_scale_batch(8, 64, half_life=1024.0, tokens_per_example=16)
+        NoiseScaleBatch(8, 64, half_life=1024.0, tokens_per_example=16)
     with pytest.raises(ValueError, match=r"too long for windows of 16 examples"):
-        noise_scale_batch(8, 64, half_life=1e12)
-    assert noise_scale_batch(8, 64, half_life=1024).effective_half_life == 1024.0
+        NoiseScaleBatch(8, 64, half_life=1e12)
+    assert NoiseScaleBatch(8, 64, half_life=1024).effective_half_life == 1024.0
 
 
 def test_at_the_shortest_half_life_the_averages_reach_four_windows():
@@ -847,7 +897,7 @@ def test_at_the_shortest_half_life_the_averages_reach_four_windows():
     them: 3.50 after 4, 4.08 after 5, 5.83 in the limit. Each window adds
     4 float32 roundings to weight and weight_sq; their ratio is within
     12 n u of it."""
-    controller = noise_scale_batch(8, 64, min_microbatches=64, half_life=1024.0)
+    controller = NoiseScaleBatch(8, 64, min_microbatches=64, half_life=1024.0)
     state, keep = controller.init(), 2.0**-0.5
     for count in range(1, 41):
         state = controller.update(state, Totals(512.0, 1.0, 400.0))
@@ -900,32 +950,42 @@ def test_adascale_estimates_must_be_scalars():
         ({"step_cost": jnp.ones(2)}, TypeError, r"step_cost must be.*shape \(2,\)"),
     ],
 )
-def test_noise_scale_batch_refuses_what_it_cannot_use(kwargs, error, message):
+def test_noise_controller_refuses_what_it_cannot_use(kwargs, error, message):
     with pytest.raises(error, match=message):
-        noise_scale_batch(8, 64, **kwargs)
+        NoiseScaleBatch(8, 64, **kwargs)
 
 
-def test_noise_decay_is_named_as_the_user_passed_it():
-    for decay, message in ((1.0, "got 1.0"), (1 - 1e-9, "float32 rounds to 1")):
-        with pytest.raises(ValueError, match=rf"^noise_decay must be in.*{message}"):
-            scale_by_batch_learning_rate(0.1, 64, rule="adascale", noise_decay=decay)
+def test_noise_half_life_is_named_as_the_user_passed_it():
+    for half_life in (0.0, -64.0, float("inf")):
+        with pytest.raises(
+            ValueError, match=rf"^noise_half_life must be > 0.0, got {half_life}"
+        ):
+            scale_by_batch_learning_rate(
+                0.1, 64, rule="adascale", noise_half_life=half_life
+            )
     with pytest.raises(TypeError, match="flip_sign must be True or False"):
         scale_by_batch_learning_rate(0.1, 64, flip_sign="no")
 
 
-def test_batch_ramp_keeps_python_ints_and_refuses_keys_float32_cannot_tell():
-    built = batch_ramp(np.int64(8), {np.int64(0): np.int32(1), 16: jnp.int32(2)})
-    assert built == batch_ramp(8, {0: 1, 16: 2}) and hash(built), built
+def test_ramp_keeps_python_ints_and_refuses_keys_float32_cannot_tell():
+    built = BatchRamp(np.int64(8), {np.int64(0): np.int32(1), 16: jnp.int32(2)})
+    assert built == BatchRamp(8, {0: 1, 16: 2}) and hash(built), built
     assert {type(v) for pair in built.schedule for v in pair} == {int}
     # Keys beyond int32 are examples seen, counted in float32: allowed.
-    far = batch_ramp(8, {0: 1, 2**40: 2})
-    state = far.init()._replace(examples_seen=jnp.float32(2**40 - 8))
+    far = BatchRamp(8, {0: 1, 2**40: 2})
+    state = far.init()._replace(
+        examples_seen=ExamplesSeen(jnp.float32(2**40 - 8), jnp.float32(0))
+    )
     assert far.num_microbatches(far.update(state, Totals(8.0))) == 2
     with pytest.raises(ValueError, match="schedule key 1000.*infinite"):
-        batch_ramp(8, {0: 1, 10**40: 2})
+        BatchRamp(8, {0: 1, 10**40: 2})
     with pytest.raises(ValueError, match="33554432 and 33554433 are the same"):
-        batch_ramp(8, {0: 1, 2**25: 2, 2**25 + 1: 3})
+        BatchRamp(8, {0: 1, 2**25: 2, 2**25 + 1: 3})
     with pytest.raises(TypeError, match="schedule key must be an integer.*'100'"):
-        batch_ramp(8, {0: 1, "100": 2})
-    with pytest.raises(TypeError, match="schedule must be a mapping"):
-        batch_ramp(8, [(0, 1)])
+        BatchRamp(8, {0: 1, "100": 2})
+    # Pairs are a schedule too, kept sorted; anything else is refused.
+    assert BatchRamp(8, [(16, 2), (0, 1)]) == built
+    with pytest.raises(TypeError, match=r"schedule must be a mapping.* or \(exa"):
+        BatchRamp(8, [0, 1])
+    with pytest.raises(ValueError, match=r"keys must be distinct, got \[0, 0\]"):
+        BatchRamp(8, [(0, 1), (0, 2)])

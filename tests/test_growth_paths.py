@@ -1,6 +1,6 @@
 """Growing the batch along each path: exact at every size, no recompile per step.
 
-A controller (batch_ramp, noise_scale_batch) sizes each window; the window
+A controller (BatchRamp, NoiseScaleBatch) sizes each window; the window
 runs across calls (MultiSteps with every_k= from the controller's state), in
 one masked program (value_and_grad(masked=True)), or in one program per size
 compiled ahead. The data is noise_population's regression population.
@@ -29,7 +29,7 @@ from noise_population import population
 from tolerances import ATOL, RTOL
 
 import jaxaccum
-from jaxaccum import batch_ramp, noise_scale_batch, scale_by_batch_learning_rate
+from jaxaccum.growth import BatchRamp, NoiseScaleBatch, scale_by_batch_learning_rate
 
 MICRO = 4  # rows per micro-batch
 MASKED_RTOL = MASKED_ATOL = 1e-6  # same micro-batches and order; see docstring
@@ -96,7 +96,7 @@ def assert_estimates_close(got, want):
 def test_across_calls_window_from_controller_is_one_inner_step(reduction):
     traces = []
     loss = make_loss(reduction, traces)
-    ramp = batch_ramp(MICRO, {0: 2, 4 * MICRO: 4, 12 * MICRO: 8})
+    ramp = BatchRamp(MICRO, {0: 2, 4 * MICRO: 4, 12 * MICRO: 8})
     opt = jaxaccum.MultiSteps(optax.sgd(LEARNING_RATE), None, track_noise_scale=True)
     reference = jaxaccum.value_and_grad(
         make_loss(reduction, []),
@@ -247,7 +247,7 @@ def masked_train_step(loss, controller, opt, max_microbatches):
 def test_masked_window_follows_the_ramp_in_one_compile():
     traces = []
     loss = make_loss("mean", traces)
-    ramp = batch_ramp(MICRO, {0: 1, 2 * MICRO: 2, 6 * MICRO: 4, 14 * MICRO: 6})
+    ramp = BatchRamp(MICRO, {0: 1, 2 * MICRO: 2, 6 * MICRO: 4, 14 * MICRO: 6})
     largest = max(ramp.possible_num_microbatches)
     opt = optax.with_extra_args_support(optax.sgd(LEARNING_RATE))
     train_step = masked_train_step(loss, ramp, opt, largest)
@@ -255,7 +255,7 @@ def test_masked_window_follows_the_ramp_in_one_compile():
     opt_state, sizes = opt.init(params), []
     for _ in range(7):
         num = ramp.num_microbatches(ramp_state)
-        window = rows(int(ramp_state.examples_seen), num * MICRO)
+        window = rows(int(ramp_state.examples_seen.total), num * MICRO)
         want_updates, _ = opt.update(
             jax.jit(jaxaccum.value_and_grad(loss, num))(params, window)[1], opt_state
         )
@@ -277,7 +277,7 @@ def test_masked_window_follows_the_ramp_in_one_compile():
 
 def test_one_compile_per_size_and_all_sizes_compiled_ahead():
     traces = []
-    ramp = batch_ramp(MICRO, {0: 1, 2 * MICRO: 2, 6 * MICRO: 4})
+    ramp = BatchRamp(MICRO, {0: 1, 2 * MICRO: 2, 6 * MICRO: 4})
     accumulated = jaxaccum.value_and_grad(
         make_loss("mean", traces), microbatch_size=MICRO, report_stats=True
     )
@@ -294,7 +294,7 @@ def test_one_compile_per_size_and_all_sizes_compiled_ahead():
         opt_state, sizes = opt.init(params), []
         for _ in range(windows):
             num = ramp.num_microbatches(ramp_state)
-            window = rows(int(ramp_state.examples_seen), num * MICRO)
+            window = rows(int(ramp_state.examples_seen.total), num * MICRO)
             params, opt_state, ramp_state = step_for(num)(
                 params, opt_state, ramp_state, window
             )
@@ -339,7 +339,7 @@ def growing_optimizer():
 def growing_controller():
     # No band and a target far beyond the largest window: it starts at 2 (kappa
     # does) and jumps to its largest once 4 effective windows are in.
-    return noise_scale_batch(MICRO, 8, kappa=1e6, standard_errors=0.0)
+    return NoiseScaleBatch(MICRO, 8, kappa=1e6, standard_errors=0.0)
 
 
 def in_step_path():
@@ -351,7 +351,7 @@ def in_step_path():
     def run_window(state):
         params, opt_state, controller_state = state
         num = controller.num_microbatches(controller_state)
-        window = rows(int(controller_state.examples_seen), num * MICRO)
+        window = rows(int(controller_state.examples_seen.total), num * MICRO)
         window = jaxaccum.pad_microbatches(window, num, largest)
         return train_step(params, opt_state, controller_state, window)[:3], num
 
@@ -386,7 +386,7 @@ def across_calls_path():
 
     def run_window(state):
         num = controller.num_microbatches(state[2])
-        window = rows(int(state[2].examples_seen), num * MICRO)
+        window = rows(int(state[2].examples_seen.total), num * MICRO)
         micro_batches = jaxaccum.split_batch(window, num)
         for call in range(num):
             state = train_step(*state, micro_batch_at(micro_batches, call))

@@ -15,6 +15,12 @@
     floats, bools, strings and shape-(2,) arrays with jaxaccum's own error,
     which starts with the argument's name. The arguments and kinds are few,
     so they are enumerated, not drawn.
+(d) ``NoiseScaleEMA`` is the per-example average of the estimates: against
+    noise_average.py's float64 reimplementation, for drawn half-lives and
+    windows of drawn sizes (the tolerance is derived at the test).
+(e) The noise-scale controller keeps exactly that average (its moments are
+    the ``NoiseScaleEMA``'s, bitwise) and decides from it: its windows are
+    those the documented rule gives from the EMA's readers.
 
 The draws are derandomized (the same each run), as in tests/test_growth.py.
 The controller runs eagerly (``jax.disable_jit``): its update compiles per
@@ -32,17 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
+from noise_average import absolute_sum_average, per_example_average
 
-import jaxaccum
-import jaxaccum._growth as growth
-from jaxaccum import (
+import jaxaccum.growth._step_cost
+from jaxaccum.growth import (
     EXAMPLES_ONLY,
     STEPS_ONLY,
+    BatchRamp,
+    NoiseScaleBatch,
     NoiseScaleEMA,
-    batch_ramp,
     batch_scale,
     measure_step_cost,
-    noise_scale_batch,
     scale_by_batch_learning_rate,
 )
 
@@ -60,7 +66,7 @@ class Totals(NamedTuple):
 
 @st.composite
 def controllers_in_examples(draw):
-    """``noise_scale_batch``'s keyword arguments, counted in examples, with a
+    """``NoiseScaleBatch``'s keyword arguments, counted in examples, with a
     valid half-life (at least 2 largest windows, or the default)."""
     micro = draw(st.integers(1, 16))
     sizes = sorted(
@@ -127,8 +133,8 @@ def run_windows(controller, estimates, tokens):
 def test_counting_tokens_takes_the_windows_counting_examples_takes(
     kwargs, tokens, estimates
 ):
-    examples = noise_scale_batch(**kwargs)
-    counted_in_tokens = noise_scale_batch(**in_tokens(kwargs, tokens))
+    examples = NoiseScaleBatch(**kwargs)
+    counted_in_tokens = NoiseScaleBatch(**in_tokens(kwargs, tokens))
     starts = (counted_in_tokens.start_microbatches, examples.start_microbatches)
     assert starts[0] == starts[1], (kwargs, tokens, starts)
     with jax.disable_jit():
@@ -175,7 +181,7 @@ def predicted_time_float64(batch, noise_scale, step_cost):
     ),
 )
 def test_predicted_time_is_mccandlish_formula(batch, noise_scale, step_cost):
-    controller = noise_scale_batch(8, 64, step_cost=step_cost, sizes=(2, 64))
+    controller = NoiseScaleBatch(8, 64, step_cost=step_cost, sizes=(2, 64))
     got = float(controller.predicted_time(batch, noise_scale))
     expected = predicted_time_float64(batch, noise_scale, step_cost)
     if np.isinf(expected):
@@ -192,16 +198,16 @@ def test_predicted_time_is_mccandlish_formula(batch, noise_scale, step_cost):
 # (c) Each public numeric argument: how to call with it, and its valid value
 # (exact in float32, so a JAX float32 value is the same number).
 def controller_with(**kwargs):
-    return noise_scale_batch(
-        **({"microbatch_size": 8, "max_microbatches": 64} | kwargs)
-    )
+    return NoiseScaleBatch(**({"microbatch_size": 8, "max_microbatches": 64} | kwargs))
 
 
 def step_cost_with(monkeypatch, **kwargs):
     """``measure_step_cost`` on a fake clock: 4 ms a step, 1 ms an example."""
     clock = [0.0]
     monkeypatch.setattr(
-        growth, "time", types.SimpleNamespace(perf_counter=lambda: clock[0])
+        jaxaccum.growth._step_cost,
+        "time",
+        types.SimpleNamespace(perf_counter=lambda: clock[0]),
     )
 
     def window_step(num):
@@ -216,11 +222,11 @@ def step_cost_with(monkeypatch, **kwargs):
 
 
 def transform_with(
-    learning_rate=0.5, base_batch=64.0, noise_decay=0.5, batch_size=256.0
+    learning_rate=0.5, base_batch=64.0, noise_half_life=512.0, batch_size=256.0
 ):
     """One adascale update: the state it leaves, as Python floats."""
     optimizer = scale_by_batch_learning_rate(
-        learning_rate, base_batch, "adascale", noise_decay=noise_decay
+        learning_rate, base_batch, "adascale", noise_half_life=noise_half_life
     )
     state = optimizer.init(jnp.zeros(2))
     estimates = Totals(256.0, np.float32(1.0), np.float32(64.0))
@@ -230,10 +236,10 @@ def transform_with(
     return jax.tree.map(float, state)
 
 
-def ema_with(decay):
-    ema = NoiseScaleEMA(decay)
+def ema_with(half_life):
+    ema = NoiseScaleEMA(half_life)
     estimates = Totals(256.0, np.float32(1.0), np.float32(64.0))
-    return ema.decay, float(ema.noise_scale(ema.update(ema.init(), estimates)))
+    return ema.half_life, float(ema.noise_scale(ema.update(ema.init(), estimates)))
 
 
 def predicted_with(batch=64.0, noise_scale=192.0):
@@ -242,49 +248,49 @@ def predicted_with(batch=64.0, noise_scale=192.0):
 
 ARGUMENTS = {
     # name in the message: (call with the value, valid value, integer)
-    "noise_scale_batch microbatch_size": (
+    "NoiseScaleBatch microbatch_size": (
         lambda v, _: controller_with(microbatch_size=v),
         8,
         True,
     ),
-    "noise_scale_batch max_microbatches": (
+    "NoiseScaleBatch max_microbatches": (
         lambda v, _: controller_with(max_microbatches=v),
         64,
         True,
     ),
-    "noise_scale_batch min_microbatches": (
+    "NoiseScaleBatch min_microbatches": (
         lambda v, _: controller_with(min_microbatches=v),
         4,
         True,
     ),
-    "noise_scale_batch sizes[1]": (
+    "NoiseScaleBatch sizes[1]": (
         lambda v, _: controller_with(sizes=(2, v, 64)),
         8,
         True,
     ),
-    "noise_scale_batch step_cost": (
+    "NoiseScaleBatch step_cost": (
         lambda v, _: controller_with(step_cost=v),
         64.0,
         False,
     ),
-    "noise_scale_batch kappa": (lambda v, _: controller_with(kappa=v), 0.5, False),
-    "noise_scale_batch half_life": (
+    "NoiseScaleBatch kappa": (lambda v, _: controller_with(kappa=v), 0.5, False),
+    "NoiseScaleBatch half_life": (
         lambda v, _: controller_with(half_life=v),
         4096.0,
         False,
     ),
-    "noise_scale_batch standard_errors": (
+    "NoiseScaleBatch standard_errors": (
         lambda v, _: controller_with(standard_errors=v),
         2.0,
         False,
     ),
-    "noise_scale_batch tokens_per_example": (
+    "NoiseScaleBatch tokens_per_example": (
         lambda v, _: controller_with(tokens_per_example=v),
         4.0,
         False,
     ),
-    "batch_ramp microbatch_size": (lambda v, _: batch_ramp(v, {0: 1, 64: 2}), 8, True),
-    "batch_ramp schedule[64]": (lambda v, _: batch_ramp(8, {0: 1, 64: v}), 2, True),
+    "BatchRamp microbatch_size": (lambda v, _: BatchRamp(v, {0: 1, 64: 2}), 8, True),
+    "BatchRamp schedule[64]": (lambda v, _: BatchRamp(8, {0: 1, 64: v}), 2, True),
     "batch_scale batch_size": (
         lambda v, _: float(batch_scale("adascale", v, 64.0, 1.0, 64.0)),
         256.0,
@@ -315,9 +321,9 @@ ARGUMENTS = {
         64.0,
         False,
     ),
-    "scale_by_batch_learning_rate noise_decay": (
-        lambda v, _: transform_with(noise_decay=v),
-        0.5,
+    "scale_by_batch_learning_rate noise_half_life": (
+        lambda v, _: transform_with(noise_half_life=v),
+        512.0,
         False,
     ),
     "scale_by_batch_learning_rate batch_size": (
@@ -341,7 +347,7 @@ ARGUMENTS = {
         True,
     ),
     "measure_step_cost repeats": (lambda v, mp: step_cost_with(mp, repeats=v), 3, True),
-    "NoiseScaleEMA decay": (lambda v, _: ema_with(v), 0.5, False),
+    "NoiseScaleEMA half_life": (lambda v, _: ema_with(v), 512.0, False),
     "predicted_time batch": (lambda v, _: predicted_with(batch=v), 64.0, False),
     "predicted_time noise_scale": (
         lambda v, _: predicted_with(noise_scale=v),
@@ -424,4 +430,127 @@ def test_a_controller_of_jax_values_runs_its_jitted_update():
     window = Totals(np.float32(16.0), np.float32(1.0), np.float32(64.0))
     states = [c.update(c.init(), window) for c in (python, from_jax)]
     jax.tree.map(np.testing.assert_array_equal, *states)
-    assert jaxaccum.NoiseScaleBatch(**vars(from_jax)) == python
+    assert NoiseScaleBatch(**vars(from_jax)) == python
+
+
+# (d) The average, per example. In float32 each window's factor
+# k = 2**(-B / h) is within 8 u of its value (B / h rounded, then exp2, a few
+# u), so its weight 1 - k is within 8 u k / (1 - k) + u; the later factors
+# multiply in 8 u each and the multiply-adds 2 u each: every window's weight
+# within e = 8 u (1 + k / (1 - k)) + 10 n u of its own, for n windows. The
+# average is a ratio of two such weighted sums: within 2 e of the average of
+# the estimates' magnitudes. Windows of h / 16 to 4 h keep k / (1 - k) <= 23.
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(
+    half_life=st.floats(16.0, 2.0**20, **FLOAT32),
+    windows=st.lists(
+        st.tuples(
+            st.floats(1 / 16, 4.0, **FLOAT32),
+            st.floats(-4.0, 16.0, **FLOAT32),
+            st.floats(0.0, 4096.0, **FLOAT32),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_noise_scale_ema_is_the_per_example_average(half_life, windows):
+    ema = NoiseScaleEMA(half_life)
+    totals = [
+        Totals(np.float32(size * half_life), np.float32(n), np.float32(t))
+        for size, n, t in windows
+    ]
+    moments = ema.init()
+    with jax.disable_jit():
+        for window in totals:
+            moments = ema.update(moments, window)
+    got = (ema.gradient_norm_sq(moments), ema.gradient_noise_trace(moments))
+    expected = per_example_average(totals, half_life)
+    largest_factor = 2.0 ** -min(size for size, _, _ in windows)
+    error = 8 * UNIT_ROUNDOFF * (1 + largest_factor / (1 - largest_factor))
+    error += 10 * len(windows) * UNIT_ROUNDOFF
+    scale = absolute_sum_average(totals, half_life)
+    for name, value, want, size in zip(
+        ("|G|^2", "tr(Sigma)"), got, expected, scale, strict=True
+    ):
+        assert abs(float(value) - want) <= 2 * error * size, (name, value, want)
+    assert int(moments.num_windows) == len(windows)
+
+
+def next_size_float64(controller, phi, standard_error, effective, weight, window):
+    """The documented rule from the EMA's readers, in float64: move once 4
+    effective windows are in, and only where the band phi +- z se puts the
+    target wholly on one side of the window; grow to its near end (shrink, if
+    allowed, to its far end once that is half the window or less). Also the
+    sizes of a near tie (scores within 1e-4), which float32 may order apart."""
+    sizes = np.asarray(controller.possible_num_microbatches)
+
+    def best(phi):
+        batches = sizes * weight
+        if controller.kappa is not None:
+            tiny = np.finfo(np.float32).tiny
+            score = np.abs(np.log(batches * np.maximum(phi, tiny) / controller.kappa))
+        elif controller.step_cost == EXAMPLES_ONLY:
+            score = batches
+        else:
+            steps = (np.maximum(phi, 0.0) * batches + 1.0) / batches
+            score = (
+                steps
+                if np.isinf(controller.step_cost)
+                else steps * (controller.step_cost + batches)
+            )
+        ties = sizes[score <= score.min() * (1 + 1e-4) + 1e-30]
+        return int(sizes[np.argmin(score)]), set(ties.tolist())
+
+    if not effective >= 4.0:
+        return {window}
+    band = controller.standard_errors * standard_error
+    (smallest, smallest_ties), (largest, largest_ties) = (
+        best(phi + band),
+        best(phi - band),
+    )
+    if smallest > window:
+        return {size for size in smallest_ties if size > window} | {smallest}
+    if controller.shrink and 2 * largest <= window:
+        return {size for size in largest_ties if 2 * size <= window} | {largest}
+    return {window}
+
+
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+@hypothesis.given(
+    kwargs=controllers_in_examples(),
+    estimates=st.lists(
+        st.tuples(st.floats(-1.0, 16.0, **FLOAT32), st.floats(0.0, 4096.0, **FLOAT32)),
+        min_size=8,
+        max_size=12,
+    ),
+)
+def test_the_controller_decides_from_the_noise_scale_ema(kwargs, estimates):
+    controller = NoiseScaleBatch(**kwargs)
+    ema = controller.noise_ema
+    assert ema == NoiseScaleEMA(controller.effective_half_life)
+    state, moments, sizes = controller.init(), ema.init(), []
+    with jax.disable_jit(), np.errstate(divide="ignore", invalid="ignore"):
+        for norm_sq, trace in estimates:
+            num = controller.num_microbatches(state)
+            window = Totals(
+                np.float32(num * controller.microbatch_size),
+                np.float32(norm_sq),
+                np.float32(trace),
+            )
+            state = controller.update(state, window)
+            moments = ema.update(moments, window)
+            jax.tree.map(np.testing.assert_array_equal, state.noise, moments)
+            weight = float(state.examples_seen.total) / int(state.microbatches_seen)
+            allowed = next_size_float64(
+                controller,
+                np.float64(ema.gradient_norm_sq(moments))
+                / np.float64(ema.gradient_noise_trace(moments)),
+                float(ema.standard_error(moments)),
+                float(ema.effective_windows(moments)),
+                weight,
+                num,
+            )
+            got = controller.num_microbatches(state)
+            assert got in allowed, (kwargs, num, got, allowed)
+            sizes.append(got)
+    hypothesis.event(f"the window moved: {len(set(sizes)) > 1}")

@@ -1,6 +1,7 @@
 """The library a training stack imports: its surface, its imports, its options."""
 
 import ast
+import importlib
 import inspect
 import pathlib
 import pkgutil
@@ -77,10 +78,11 @@ def test_a_missing_extra_names_the_install_command(module, extra, missing):
 def test_no_module_is_named_like_a_public_function():
     modules = {info.name for info in pkgutil.iter_modules([str(PACKAGE)])}
     public_modules = {name for name in modules if not name.startswith("_")}
-    assert public_modules == {"testing", "flax", "equinox", "cli"}
-    assert not (public_modules - {"testing"}) & set(jaxaccum.__all__)
+    assert public_modules == {"testing", "flax", "equinox", "cli", "growth"}
+    namespaces = {"testing", "growth"}  # the sub-namespaces, in __all__
+    assert not (public_modules - namespaces) & set(jaxaccum.__all__)
     for name in jaxaccum.__all__:
-        assert not inspect.ismodule(getattr(jaxaccum, name)) or name == "testing"
+        assert not inspect.ismodule(getattr(jaxaccum, name)) or name in namespaces
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -109,8 +111,83 @@ def test_init_only_re_exports():
         for node in tree.body
         if isinstance(node, ast.FunctionDef | ast.ClassDef)
     ]
-    assert defined == ["__getattr__"]  # the lazy jaxaccum.testing, nothing else
+    # __dir__: the public names; __getattr__: the lazy jaxaccum.testing and
+    # the moved names' shims. Nothing else.
+    assert defined == ["__dir__", "__getattr__"]
     assert jaxaccum.__version__ == "0.1.0"
+
+
+CORE = {
+    "FiniteReport",
+    "MemoryPlan",
+    "MemoryPlanRow",
+    "ModePlan",
+    "ModePlanRow",
+    "MultiSteps",
+    "MultiStepsState",
+    "NoiseEstimates",
+    "WindowStats",
+    "accumulate",
+    "grad",
+    "masked_sum",
+    "pad_microbatches",
+    "parse_memory_budget",
+    "plan",
+    "plan_modes",
+    "register_batch_node",
+    "shard_batch",
+    "shard_value_and_grad",
+    "split_batch",
+    "value_and_grad",
+}
+
+
+def test_the_top_level_is_the_core_and_two_namespaces():
+    """dir(jaxaccum) is the core, jaxaccum.growth and jaxaccum.testing; the
+    export list is the re-exported names, one list (no name exported twice)."""
+    assert set(dir(jaxaccum)) == CORE | {"growth", "testing"}
+    assert sorted(jaxaccum.__all__) == sorted(dir(jaxaccum))
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    re_exported = {
+        alias.asname
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname == alias.name
+    }
+    assert re_exported | {"testing"} == set(jaxaccum.__all__)
+    for name in ("jaxaccum.growth", "jaxaccum.testing"):
+        namespace = importlib.import_module(name)
+        assert not set(namespace.__all__) & CORE, name
+
+
+@pytest.mark.parametrize("name", sorted(jaxaccum._MOVED))
+def test_moved_names_warn_with_their_new_path(name):
+    """Each 0.1 top-level name that moved still works, for one release, with
+    a DeprecationWarning naming where it went; it is the new object."""
+    module, new_name = jaxaccum._MOVED[name]
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"jaxaccum\.{name} moved to "
+        rf"{module}\.{new_name}; .* removed in jaxaccum 0\.3\.0",
+    ):
+        old = getattr(jaxaccum, name)
+    assert old is getattr(importlib.import_module(module), new_name)
+
+
+def test_old_factory_calls_build_the_controllers():
+    with pytest.warns(DeprecationWarning):
+        ramp = jaxaccum.batch_ramp(8, {0: 1, 16: 2})
+    assert ramp == jaxaccum.growth.BatchRamp(8, {0: 1, 16: 2})
+    with pytest.warns(DeprecationWarning):
+        controller = jaxaccum.noise_scale_batch(4, max_microbatches=16, step_cost=16)
+    assert controller == jaxaccum.growth.NoiseScaleBatch(4, 16, step_cost=16)
+
+
+@pytest.mark.parametrize("name", ["NoiseScaleState", "ramp_from_schedule"])
+def test_removed_names_say_why(name):
+    with pytest.raises(AttributeError, match=f"jaxaccum.{name} was removed: "):
+        getattr(jaxaccum, name)
 
 
 def test_grad_has_value_and_grads_explicit_keywords():

@@ -5,6 +5,7 @@ serve the 8-device check of shard_value_and_grad in distributed_checks.py).
 """
 
 import warnings
+from typing import NamedTuple
 
 import chex
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from noise_average import per_example_average
 from noise_population import (
     FEATURES,
     WINDOWS,
@@ -25,6 +27,7 @@ from noise_population import (
 )
 
 import jaxaccum
+import jaxaccum.growth
 
 
 @pytest.mark.parametrize("reduction", ["mean", "weighted"])
@@ -144,23 +147,33 @@ def test_multisteps_estimates_equal_the_in_step_ones():
         jaxaccum.MultiSteps(optax.sgd(0.1), num).noise_estimates(state)
 
 
-def test_ema_averages_numerator_and_denominator_then_divides(tmp_path):
-    ema = jaxaccum.NoiseScaleEMA(decay=0.5)
+class Window(NamedTuple):
+    """What NoiseScaleEMA reads of a WindowStats."""
+
+    big_batch: float
+    gradient_norm_sq: float
+    gradient_noise_trace: float
+
+
+def test_ema_averages_numerator_and_denominator_per_example_then_divides(tmp_path):
+    """Windows of 64 and 128 examples (and a NaN one of 32, left out) at a
+    half-life of 64: factors 2**-1 and 2**-2, exact in float32, so the
+    averages are a few roundings (relative 1e-6 allowed) from their value."""
+    ema = jaxaccum.growth.NoiseScaleEMA(half_life=64)
     state = ema.init()
     assert np.isnan(ema.noise_scale(state))
-    windows = [(4.0, 8.0), (float("nan"), float("nan")), (2.0, 12.0)]
-    for norm_sq, trace in windows:
-        stats = jaxaccum.NoiseEstimates(
-            jnp.float32(norm_sq), jnp.float32(trace), jnp.float32(trace / norm_sq)
-        )
-        state = jax.jit(ema.update)(state, stats)
+    windows = [Window(64, 4.0, 8.0), Window(32, np.nan, np.nan), Window(128, 2, 12)]
+    for window in windows:
+        state = jax.jit(ema.update)(state, jax.tree.map(jnp.float32, window))
     assert int(state.num_windows) == 2  # the NaN window is skipped
-    # Bias-corrected: (0.5 * 0.5 * 4 + 0.5 * 2) / (1 - 0.25) = 2 / 0.75, and
-    # (0.5 * 0.5 * 8 + 0.5 * 12) / 0.75 = 8 / 0.75: their ratio, not the
+    norm_sq, trace = per_example_average(windows, half_life=64)
+    # Weights 1/8 and 3/4: (4 / 8 + 2 * 3 / 4) / (7 / 8) = 16 / 7, and
+    # (8 / 8 + 12 * 3 / 4) / (7 / 8) = 80 / 7: their ratio, 5, is not the
     # mean of the windows' ratios (2 and 6).
-    np.testing.assert_allclose(ema.gradient_norm_sq(state), 2.0 / 0.75, rtol=1e-6)
-    np.testing.assert_allclose(ema.gradient_noise_trace(state), 8.0 / 0.75, rtol=1e-6)
-    np.testing.assert_allclose(ema.noise_scale(state), 4.0, rtol=1e-6)
+    np.testing.assert_allclose((norm_sq, trace), (16 / 7, 80 / 7), rtol=1e-15)
+    np.testing.assert_allclose(ema.gradient_norm_sq(state), norm_sq, rtol=1e-6)
+    np.testing.assert_allclose(ema.gradient_noise_trace(state), trace, rtol=1e-6)
+    np.testing.assert_allclose(ema.noise_scale(state), 5.0, rtol=1e-6)
 
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "ema", state)
@@ -409,29 +422,30 @@ def test_complex_parameters_count_their_imaginary_parts():
 
 
 @pytest.mark.parametrize(
-    ("decay", "error", "message"),
+    ("half_life", "error", "message"),
     [
-        (1.0, ValueError, r"decay must be in \[0, 1\), got 1.0"),
-        (1 - 1e-9, ValueError, "which float32 rounds to 1"),
-        (-0.1, ValueError, "decay must be from 0.0 to 1.0, got -0.1"),
-        ("0.9", TypeError, "decay must be a real scalar.*'0.9' of type str"),
-        (np.full(2, 0.9), TypeError, r"decay must be a real scalar.*shape \(2,\)"),
+        (0.0, ValueError, r"half_life must be > 0.0, got 0.0"),
+        (-64.0, ValueError, r"half_life must be > 0.0, got -64.0"),
+        (np.inf, ValueError, r"half_life must be > 0.0, got inf"),
+        (1e300, ValueError, "half_life must be of magnitude .* infinite"),
+        ("64", TypeError, "half_life must be a real scalar.*'64' of type str"),
+        (np.full(2, 64.0), TypeError, r"half_life must be a real.*shape \(2,\)"),
     ],
 )
-def test_ema_decay_errors_name_it(decay, error, message):
+def test_ema_half_life_errors_name_it(half_life, error, message):
     with pytest.raises(error, match=message):
-        jaxaccum.NoiseScaleEMA(decay)
+        jaxaccum.growth.NoiseScaleEMA(half_life)
 
 
-def test_ema_decay_is_kept_as_a_python_float():
-    """A 0-d NumPy or JAX decay averages as the Python float does."""
-    stats = jaxaccum.NoiseEstimates(jnp.float32(2.0), jnp.float32(8.0), jnp.nan)
+def test_ema_half_life_is_kept_as_a_python_float():
+    """A 0-d NumPy or JAX half-life averages as the Python float does."""
+    stats = Window(jnp.float32(48.0), jnp.float32(2.0), jnp.float32(8.0))
     states = []
-    for decay in (0.5, np.asarray(0.5), np.float32(0.5), jnp.float32(0.5)):
-        ema = jaxaccum.NoiseScaleEMA(decay)
-        assert type(ema.decay) is float and ema.decay == 0.5, ema.decay
+    for half_life in (64.0, np.asarray(64.0), np.float32(64.0), jnp.float32(64.0)):
+        ema = jaxaccum.growth.NoiseScaleEMA(half_life)
+        assert type(ema.half_life) is float and ema.half_life == 64.0, ema
         states.append(ema.update(ema.update(ema.init(), stats), stats))
     for state in states[1:]:
         chex.assert_trees_all_equal(tuple(state), tuple(states[0]))
-    with pytest.raises(TypeError, match="decay must be a concrete number"):
-        jax.jit(jaxaccum.NoiseScaleEMA)(0.5)
+    with pytest.raises(TypeError, match="half_life must be a concrete number"):
+        jax.jit(jaxaccum.growth.NoiseScaleEMA)(64.0)

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 import jaxaccum
+import jaxaccum.growth
 from jaxaccum._options import AccumOptions, check_scalar
 from jaxaccum._plan import format_bytes, measure, train_step
 from jaxaccum.cli import models
@@ -259,10 +260,11 @@ def _step_seconds(task, batch, num: int, args: argparse.Namespace) -> float:
 
 
 def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
-    """B_simple of the trained model: the averaged estimates of 16 windows."""
+    """B_simple of the trained model: the estimates of 16 windows averaged
+    per example, with a half-life of 8 windows."""
     measured_num = _noise_scale_microbatches(num, args.batch_size)
     step = jax.jit(jaxaccum.value_and_grad(task.loss, measured_num, report_stats=True))
-    ema = jaxaccum.NoiseScaleEMA(decay=0.9)
+    ema = jaxaccum.growth.NoiseScaleEMA(half_life=8 * args.batch_size)
     state = ema.init()
     data_key = jax.random.key(args.seed + 2)
     for index in range(16):
@@ -292,7 +294,7 @@ def _noise_scale(task, params, num: int, args: argparse.Namespace) -> float:
         "batch, sqrt(step cost x B_simple), is "
         f"about {best:,.0f} examples against the effective {args.batch_size}: "
         f"{verdict} (McCandlish et al. 2018; docs/guides/growing-the-batch.md: "
-        f"jaxaccum.noise_scale_batch(..., step_cost={cost.step_cost:.0f}) "
+        f"jaxaccum.growth.NoiseScaleBatch(..., step_cost={cost.step_cost:.0f}) "
         "follows it while training)."
     )
     return noise_scale
@@ -314,7 +316,7 @@ def _noise_scale_microbatches(num: int, batch_size: int) -> int:
     return next(n for n in range(2, batch_size + 1) if batch_size % n == 0)
 
 
-def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.StepCost:
+def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.growth.StepCost:
     """The demo step's cost in examples: windows of 1 and ``max(num, 8)``
     micro-batches of the demo's size, timed (one program each; the small
     window small, so that the line through them is short of no examples)."""
@@ -335,7 +337,7 @@ def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.StepCost:
         return state["params"]
 
     # Its scatter needs 3 timings or more, whatever --repeats the table uses.
-    return jaxaccum.measure_step_cost(
+    return jaxaccum.growth.measure_step_cost(
         window_step, microbatch_size, sizes, repeats=max(args.repeats, 3)
     )
 
