@@ -278,8 +278,11 @@ def test_search_finds_every_public_name_at_its_api_entry(site):
     docs, separator = _search(site)
     sections = {doc["location"]: doc for doc in docs}
     entries = _api_entries()
-    # `jaxaccum.testing` is in jaxaccum.__all__; its entry is its module page.
-    entries["jaxaccum.testing"] = entries.get("jaxaccum.testing", "api/testing/")
+    # `jaxaccum.testing` and `jaxaccum.growth` are in jaxaccum.__all__; their
+    # entries are their module pages.
+    for module in ("testing", "growth"):
+        path = f"jaxaccum.{module}"
+        entries[path] = entries.get(path, f"api/{module}/")
     missed = []
     for public in _public_names():
         name = public.rsplit(".", 1)[-1]
