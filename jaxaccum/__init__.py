@@ -20,6 +20,7 @@ from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._multisteps import accumulate as accumulate
 from jaxaccum._noise_scale import NoiseEstimates as NoiseEstimates
 from jaxaccum._noise_scale import WindowStats as WindowStats
+from jaxaccum._pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from jaxaccum._plan import MemoryPlan as MemoryPlan
 from jaxaccum._plan import MemoryPlanRow as MemoryPlanRow
 from jaxaccum._plan import ModePlan as ModePlan
@@ -58,6 +59,7 @@ __all__ = [
     "masked_sum",
     "pad_microbatches",
     "parse_memory_budget",
+    "pipeline_value_and_grad",
     "plan",
     "plan_modes",
     "register_batch_node",

@@ -132,6 +132,7 @@ CORE = {
     "masked_sum",
     "pad_microbatches",
     "parse_memory_budget",
+    "pipeline_value_and_grad",
     "plan",
     "plan_modes",
     "register_batch_node",

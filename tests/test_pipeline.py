@@ -1,0 +1,352 @@
+"""Pipeline parallelism: the window's micro-batches are the pipeline's.
+
+The 8-device checks (exactness on stage=8, stage=4 x data=2 and stage=2 x
+fsdp=4 meshes against the sequential model, float32 and float64; NaN in
+bubbles; reductions, aux and keys; remat; bfloat16; WindowStats; the
+compiled program's collectives, FLOPs against the bubble formula and memory
+per device; a small transformer's loss curve) run in ONE subprocess,
+``pipeline_checks.py`` (the device count is fixed when JAX starts); their
+tolerances are derived there. Here, on this process's one CPU device: the
+schedule's properties, the options against the sequential model on a mesh of
+one stage, and the errors bad input gets.
+"""
+
+import functools
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from check_scripts import run_script
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import AbstractMesh
+from pipeline_checks import CHECKS, RTOL, make_batch, make_params, sequential
+from pipeline_checks import embed_fn as embed
+from pipeline_checks import loss_fn as mse
+from pipeline_checks import stage_fn as dense
+
+from jaxaccum import _pipeline
+from jaxaccum._pipeline import Schedule, pipeline_value_and_grad
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_script("pipeline_checks.py", num_devices=8, timeout=600)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_pipeline_on_8_devices(results, check):
+    assert results[check]["ok"], results[check]["detail"]
+
+
+# The schedule.
+
+
+@st.composite
+def schedules(draw) -> Schedule:
+    stages = draw(st.integers(1, 6))
+    repeats = draw(st.integers(1, 3))
+    low = stages if repeats > 1 else 1  # a circular schedule needs M >= S
+    return Schedule(stages, draw(st.integers(low, 9)), repeats)
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedules())
+def test_every_stage_of_every_microbatch_once_and_in_order(schedule):
+    """Over the window's ticks each device runs each (micro-batch, repeat)
+    once; micro-batch k meets model stage l + 1 after stage l, on the next
+    device (after the recirculation delay, back on the first device); it
+    enters only on the first device's first repeat and leaves only on the
+    last device's last repeat."""
+    num, stages = schedule.num_microbatches, schedule.num_stages
+    layers = stages * schedule.repeats
+    when: dict[tuple[int, int], tuple[int, int]] = {}
+    entered, left = [], []
+    for tick, device in itertools.product(range(schedule.num_ticks), range(stages)):
+        at = schedule.at(jnp.int32(tick), jnp.int32(device))
+        if not bool(at.valid):
+            continue
+        key = (int(at.microbatch), int(at.layer))
+        assert key not in when, (key, tick, device)
+        when[key] = (tick, device)
+        entered += [int(at.microbatch)] if bool(at.enters) else []
+        left += [int(at.microbatch)] if bool(at.exits) else []
+    assert len(when) == num * layers
+    for micro, layer in itertools.product(range(num), range(layers - 1)):
+        (tick, device), (later, next_device) = (
+            when[micro, layer],
+            when[micro, layer + 1],
+        )
+        assert next_device == (device + 1) % stages
+        gap = 1 if device < stages - 1 else num - stages + 1
+        assert later - tick == gap, (micro, layer, tick, later)
+    assert entered == left == list(range(num))
+    busy = num * schedule.repeats / schedule.num_ticks
+    assert busy == pytest.approx(1 - schedule.bubble_fraction)
+
+
+# Options on one device: a mesh of one stage (S = 1), R = 1 or 2.
+
+
+MESH = jax.make_mesh((1,), ("stage",))
+NUM = 4
+
+
+def one_device_case(repeats):
+    return make_params(repeats), make_batch(4 * NUM)
+
+
+def noisy_dense(params, x, key):
+    return dense(params, x, key)
+
+
+def noisy_embed(params, micro_batch, key):
+    return embed(params, micro_batch, key)
+
+
+def weighted_mse(params, x, micro_batch):
+    rows = jnp.sum((x @ params["w"] - micro_batch["y"]) ** 2, -1)
+    weight = micro_batch["weight"]
+    return (jnp.sum(weight * rows), jnp.sum(weight)), {"worst": jnp.max(rows)}
+
+
+def window_reference(params, batch, reduction, key=None, layers=1):
+    """Micro-batch by micro-batch, as the documentation says the window is:
+    strided micro-batches, keys split per micro-batch and folded per layer."""
+    keys = None if key is None else jax.random.split(key, NUM)
+
+    def micro(params, k):
+        embed_params, stages, head = params
+        piece = jax.tree.map(lambda leaf: leaf[k::NUM], batch)
+        fold = (
+            (lambda i: None)
+            if keys is None
+            else functools.partial(jax.random.fold_in, keys[k])
+        )
+        x = embed(embed_params, piece, fold(layers))
+        for layer in range(layers):
+            x = dense(jax.tree.map(lambda p, i=layer: p[i], stages), x, fold(layer))
+        if reduction == "weighted":
+            (total, weight), aux = weighted_mse(head, x, piece)
+            return total, (weight, aux)
+        return mse(head, x, piece), (jnp.float32(1), {})
+
+    sums = [jax.value_and_grad(micro, has_aux=True)(params, k) for k in range(NUM)]
+    total = sum(value for (value, _), _ in sums)
+    weight = sum(w for (_, (w, _)), _ in sums) if reduction == "weighted" else NUM
+    grads = jax.tree.map(lambda *g: sum(g) / weight, *(g for _, g in sums))
+    aux = jax.tree.map(lambda *a: sum(a) / NUM, *(a for (_, (_, a)), _ in sums))
+    return (total / weight, aux), grads
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    repeats=st.sampled_from([1, 2]),
+    reduction=st.sampled_from(["mean", "weighted"]),
+    with_key=st.booleans(),
+    remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
+    stats=st.booleans(),
+)
+def test_options_against_the_window_reference(
+    repeats, reduction, with_key, remat, stats
+):
+    """Every combination of repeats, reduction (with aux), keys, remat and
+    report_stats equals the micro-batch-by-micro-batch reference (RTOL of
+    pipeline_checks.py: the same sums in another order)."""
+    params, batch = one_device_case(repeats)
+    key = jax.random.key(3) if with_key else None
+    weighted = reduction == "weighted"
+    step = pipeline_value_and_grad(
+        noisy_dense if with_key else dense,
+        weighted_mse if weighted else mse,
+        NUM,
+        mesh=MESH,
+        embed_fn=noisy_embed if with_key else embed,
+        repeats=repeats,
+        reduction=reduction,
+        has_aux=weighted,
+        remat=remat,
+        report_stats=stats,
+    )
+    out = jax.jit(step)(params, batch, key)
+    if stats:
+        out, window_stats = out
+        assert window_stats.microbatch_grad_sq_norm.shape == (NUM,)
+        assert bool(window_stats.finite)
+    (value, aux), grads = window_reference(params, batch, reduction, key, repeats)
+    expected = ((value, aux), grads) if weighted else (value, grads)
+    chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=RTOL)
+
+
+def test_mean_equals_the_sequential_model_on_the_whole_batch():
+    params, batch = one_device_case(2)
+    step = pipeline_value_and_grad(
+        dense, mse, NUM, mesh=MESH, embed_fn=embed, repeats=2
+    )
+    expected = jax.value_and_grad(functools.partial(sequential, dense, mse))(
+        params, batch
+    )
+    chex.assert_trees_all_close(
+        jax.jit(step)(params, batch), expected, rtol=RTOL, atol=RTOL
+    )
+
+
+def test_bfloat16_gradients_keep_their_dtype_and_accumulate_in_float32():
+    params, batch = one_device_case(1)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    step = pipeline_value_and_grad(dense, mse, NUM, mesh=MESH, embed_fn=embed)
+    _, grads = jax.jit(step)(params, batch)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+    text = jax.jit(step).lower(params, batch).as_text()
+    assert "bf16" in text and "f32" in text
+
+
+def test_no_embed_fn_feeds_the_micro_batch():
+    params, batch = one_device_case(1)
+
+    def stage(params, micro):
+        return {**micro, "x": jnp.tanh(micro["x"] @ params["w"][:4, :4])}
+
+    def loss(head, micro, _):
+        return jnp.mean((micro["x"] @ head["w"][:4] - micro["y"]) ** 2)
+
+    step = pipeline_value_and_grad(stage, loss, NUM, mesh=MESH)
+    value, grads = jax.jit(step)((None, params[1], params[2]), batch)
+
+    def whole(stages, head):
+        x = stage(jax.tree.map(lambda p: p[0], stages), batch)
+        return loss(head, x, batch)
+
+    expected = jax.value_and_grad(whole, argnums=(0, 1))(params[1], params[2])
+    chex.assert_trees_all_close((value, grads[1:]), expected, rtol=RTOL, atol=RTOL)
+    assert grads[0] is None
+
+
+# Errors: what, the sizes, what to do.
+
+
+def build(**options):
+    defaults = {"mesh": MESH, "embed_fn": embed}
+    return pipeline_value_and_grad(dense, mse, NUM, **{**defaults, **options})
+
+
+def call_error(step, params=None, batch=None):
+    params = one_device_case(1)[0] if params is None else params
+    batch = make_batch(4 * NUM) if batch is None else batch
+    with pytest.raises((ValueError, TypeError)) as info:
+        step(params, batch)
+    return str(info.value)
+
+
+def test_a_mesh_without_the_stage_axis():
+    with pytest.raises(ValueError, match=r"stage_axis='stage' is not an axis") as info:
+        build(mesh=jax.make_mesh((1,), ("data",)))
+    assert "('data',)" in str(info.value) and "jax.make_mesh" in str(info.value)
+
+
+def test_a_data_axis_the_mesh_lacks():
+    with pytest.raises(ValueError, match=r"data_axis='data' is not an axis"):
+        build(data_axis="data")
+
+
+def test_stacked_stages_not_s_times_repeats():
+    params = make_params(3)
+    message = call_error(build(repeats=2), params=params)
+    assert "stage_params['b'] has shape (3, 16)" in message
+    assert "num_stages * repeats = 1 * 2 = 2" in message
+
+
+def test_circular_schedule_with_fewer_microbatches_than_stages():
+    mesh = AbstractMesh((4,), ("stage",))
+    with pytest.raises(ValueError, match=r"repeats=2 needs num_microbatches >= the 4"):
+        pipeline_value_and_grad(dense, mse, 3, mesh=mesh, repeats=2)
+    with pytest.raises(ValueError, match=r"repeats=1 \(any M; the bubble is then 3 of"):
+        pipeline_value_and_grad(dense, mse, 3, mesh=mesh, repeats=2)
+
+
+def test_fewer_microbatches_than_stages_is_allowed_with_repeats_1():
+    schedule = _pipeline.PipelineOptions(2).schedule(AbstractMesh((4,), ("stage",)))
+    assert schedule.num_ticks == 5 and schedule.bubble_fraction == pytest.approx(3 / 5)
+
+
+def test_a_stage_that_changes_the_activation():
+    def widen(params, x):
+        return jnp.concatenate([dense(params, x), x], -1)
+
+    message = call_error(
+        pipeline_value_and_grad(widen, mse, NUM, mesh=MESH, embed_fn=embed)
+    )
+    assert "stage_fn changes the activation" in message
+    assert "float32[4, 16]" in message and "float32[4, 32]" in message
+
+
+def test_a_batch_that_does_not_split():
+    message = call_error(build(), batch=make_batch(10))
+    assert "The batch has 10 rows" in message and "multiple of" in message
+
+
+def test_params_not_a_triple():
+    message = call_error(build(), params=make_params(1)[:2])
+    assert "(embed_params, stage_params, head_params)" in message
+    assert "tuple of length 2" in message
+
+
+def test_a_weighted_loss_that_is_not_a_pair():
+    message = call_error(build(reduction="weighted"))
+    assert "must return (loss_sum, weight)" in message
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"reduction": "max"}, "reduction must be one of"),
+        ({"aux_reduction": "stack"}, "aux_reduction must be one of"),
+        ({"repeats": 0}, "repeats must be >= 1"),
+        ({"data_axis": "stage"}, "both 'stage'"),
+    ],
+)
+def test_bad_options_fail_at_construction(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build(**options)
+
+
+def test_num_microbatches_must_be_an_int():
+    with pytest.raises(
+        TypeError, match="num_microbatches must be a positive Python int"
+    ):
+        pipeline_value_and_grad(dense, mse, 2.0, mesh=MESH)
+
+
+def test_no_mesh():
+    step = pipeline_value_and_grad(dense, mse, NUM, embed_fn=embed)
+    assert "No mesh" in call_error(step)
+
+
+def test_the_bubble_fraction_formula():
+    for stages, num, repeats in itertools.product((2, 4, 8), (8, 16), (1, 2)):
+        schedule = Schedule(stages, num, repeats)
+        assert schedule.num_ticks == num * repeats + stages - 1
+        np.testing.assert_allclose(
+            schedule.bubble_fraction, (stages - 1) / (num * repeats + stages - 1)
+        )
+
+
+def test_a_key_no_function_takes():
+    params, batch = one_device_case(1)
+    step = pipeline_value_and_grad(
+        lambda p, x: dense(p, x),
+        mse,
+        NUM,
+        mesh=MESH,
+        embed_fn=lambda p, micro_batch: embed(p, micro_batch),
+    )
+    with pytest.raises(TypeError, match="none of stage_fn, loss_fn and embed_fn"):
+        step(params, batch, jax.random.key(0))
+
+
+def test_only_functions_with_a_key_parameter_get_one():
+    assert _pipeline.takes_key(noisy_dense) and _pipeline.takes_key(lambda **kw: 0)
+    assert not _pipeline.takes_key(mse) and not _pipeline.takes_key(None)
