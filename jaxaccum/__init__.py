@@ -15,6 +15,11 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from jaxaccum import growth as growth
+from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
+from jaxaccum._loss_scale import LossScaleReport as LossScaleReport
+from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
+from jaxaccum._loss_scale import select_if_finite as select_if_finite
+from jaxaccum._loss_scale import update_loss_scale as update_loss_scale
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._multisteps import accumulate as accumulate
@@ -44,7 +49,9 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("jaxaccum")
 
 __all__ = [
+    "DynamicLossScale",
     "FiniteReport",
+    "LossScaleReport",
     "MemoryPlan",
     "MemoryPlanRow",
     "ModePlan",
@@ -54,6 +61,7 @@ __all__ = [
     "NoiseEstimates",
     "WindowStats",
     "accumulate",
+    "dynamic_loss_scale",
     "grad",
     "growth",
     "masked_sum",
@@ -63,10 +71,12 @@ __all__ = [
     "plan",
     "plan_modes",
     "register_batch_node",
+    "select_if_finite",
     "shard_batch",
     "shard_value_and_grad",
     "split_batch",
     "testing",
+    "update_loss_scale",
     "value_and_grad",
 ]
 

@@ -13,7 +13,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from jaxaccum import _compare, _split
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions
+from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
 from jaxaccum._value_and_grad import make_accumulated
 
 # A cause is named when its model of the error leaves a residual under this
@@ -187,7 +187,10 @@ def diagnose(
         return a mean (jnp.mean rather than jnp.sum).
     """
     options = AccumOptions.create(
-        "diagnose", num_microbatches, value_and_grad_kwargs, refused=SHARD_OPTIONS
+        "diagnose",
+        num_microbatches,
+        value_and_grad_kwargs,
+        refused={**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE},
     )
     accumulated, reference = _compare.accumulated_and_reference(fun, args, options)
     errors = tuple(

@@ -15,6 +15,8 @@ methods and state field names). It differs in cost and exactness:
   on ``update`` (e.g. a batch-size controller's ``num_microbatches``), and
   :meth:`MultiSteps.window_stats` hands the controller what the window
   measured. One compiled step serves windows of every length.
+- An optional float16 loss scale (``loss_scale=``) is held for the window:
+  an overflow in any call skips the whole window and backs the scale off.
 """
 
 from collections.abc import Callable
@@ -25,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum import _window_noise
+from jaxaccum import _loss_scale, _window_noise
+from jaxaccum._loss_scale import DynamicLossScale, WindowLossScale
 from jaxaccum._noise_scale import NoiseEstimates, WindowStats
 from jaxaccum._options import check_scalar, static_scalar
 from jaxaccum._reduce import divide_by_total_weight
@@ -36,7 +39,7 @@ EveryKSchedule = int | Callable[[jax.Array], jax.typing.ArrayLike]
 
 
 class MultiStepsState(NamedTuple):
-    """State of `MultiSteps`; the fields of `optax.MultiStepsState` plus two.
+    """State of `MultiSteps`; the fields of `optax.MultiStepsState` plus three.
 
     Attributes:
       mini_step: int32 scalar, accepted calls so far in the current window;
@@ -58,6 +61,9 @@ class MultiStepsState(NamedTuple):
       noise: with ``track_noise_scale``, the window's squared norms (a
         ``WindowNoise``: their sum over calls, the calls counted, the last
         emitted window's); ``()`` without.
+      loss_scale: with ``loss_scale``, a ``WindowLossScale``: the window's
+        :class:`jaxaccum.DynamicLossScale` and whether its calls were all
+        finite; ``()`` without.
     """
 
     mini_step: jax.Array
@@ -67,6 +73,7 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
     acc_weight: jax.Array | float = 0.0
     noise: WindowNoise | tuple = ()
+    loss_scale: WindowLossScale | tuple = ()
 
 
 class _WindowSums(NamedTuple):
@@ -197,6 +204,49 @@ def _should_skip(
     return should_skip, skip_state
 
 
+def _unscaled_call(
+    updates: optax.Updates, window: WindowLossScale, weight: jax.Array | None
+) -> tuple[Any, jax.Array]:
+    """This call's gradient unscaled (in at least float32), and whether it
+    (and its weight) is finite."""
+    finite = _loss_scale.tree_finite(updates)
+    if weight is not None:
+        finite = finite & jnp.isfinite(weight)
+    return _loss_scale.unscale(updates, window.scale.loss_scale), finite
+
+
+class _Verdict(NamedTuple):
+    """What a call does to its window: dropped (``should_skip_update_fn``),
+    closing it, applying it (emitting), and the loss scale after the call."""
+
+    should_skip: jax.Array
+    closes: jax.Array
+    emit: jax.Array
+    loss_scale: WindowLossScale | tuple
+
+
+def _verdict(
+    state: MultiStepsState,
+    should_skip: jax.Array,
+    call_finite: jax.Array | None,
+    every_k: jax.typing.ArrayLike,
+) -> _Verdict:
+    """The call's :class:`_Verdict`; ``call_finite`` (with a loss scale)
+    whether its gradient was finite, else None."""
+    if call_finite is not None:
+        # A call that is not finite is the window's: it counts, and the window
+        # it belongs to is skipped whole.
+        should_skip = should_skip & call_finite
+    closes = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
+    if call_finite is None:
+        return _Verdict(should_skip, closes, closes, state.loss_scale)
+    assert isinstance(state.loss_scale, WindowLossScale)  # checked by update
+    loss_scale = _loss_scale.after_call(
+        state.loss_scale, call_finite, state.mini_step == 0, should_skip, closes
+    )
+    return _Verdict(should_skip, closes, closes & loss_scale.finite, loss_scale)
+
+
 def _emit(
     opt: optax.GradientTransformationExtraArgs,
     grads: Any,
@@ -314,7 +364,10 @@ class MultiSteps:
     are forwarded to the wrapped optimizer on the emitting call. Jit the train
     step with the params and the state donated: how that keeps a mid-window
     call in place is in the guide [Micro-batches across
-    calls](../guides/multisteps.md#what-a-call-costs).
+    calls](../guides/multisteps.md#what-a-call-costs). With ``loss_scale``,
+    each call's loss is multiplied by :meth:`loss_scale` and a window with a
+    non-finite call is skipped whole: [Mixed
+    precision](../guides/mixed-precision.md#across-calls-multisteps).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -340,6 +393,7 @@ class MultiSteps:
         should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
         track_noise_scale: bool = False,
+        loss_scale: DynamicLossScale | None = None,
     ):
         """Initializer.
 
@@ -352,11 +406,19 @@ class MultiSteps:
             g) / sum(w)`` (``w = 1`` without ``weight``) if True, else the sum.
           should_skip_update_fn: as ``optax.skip_not_finite``; a call it
             rejects leaves the state but ``skip_state`` bitwise unchanged.
+            With ``loss_scale`` it sees the unscaled gradient, and a call
+            that is not finite is the window's, never skipped alone.
           accumulator_dtype: the least precise dtype of ``acc_grads`` (float32:
             bfloat16 and float16 gradients sum in float32); None keeps the
             params' dtypes.
           track_noise_scale: keep the window's squared norms, for
             :meth:`window_stats` and :meth:`noise_estimates`.
+          loss_scale: the first window's :class:`jaxaccum.DynamicLossScale`
+            (e.g. ``jaxaccum.dynamic_loss_scale()``), kept in the state: each
+            call's gradient comes from a loss multiplied by
+            :meth:`loss_scale`; a window with a call that is not finite is
+            skipped whole (no update, the inner state kept, the scale backed
+            off), and the scale grows after ``period`` finite windows.
         """
         self._opt = optax.with_extra_args_support(opt)
         self._every_k_schedule = _check_schedule(every_k_schedule)
@@ -364,6 +426,9 @@ class MultiSteps:
         self._should_skip_update_fn = should_skip_update_fn or _never_skip
         self._accumulator_dtype = accumulator_dtype
         self._track_noise_scale = track_noise_scale
+        self._loss_scale = None
+        if loss_scale is not None:
+            self._loss_scale = _loss_scale.check_loss_scale("loss_scale", loss_scale)
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -396,6 +461,11 @@ class MultiSteps:
             skip_state=skip_state,
             acc_weight=jnp.zeros([], jnp.float32),
             noise=_window_noise.init_window_noise() if self._track_noise_scale else (),
+            loss_scale=(
+                ()
+                if self._loss_scale is None
+                else WindowLossScale(self._loss_scale, jnp.array(True))
+            ),
         )
 
     def update(
@@ -429,11 +499,18 @@ class MultiSteps:
         if weight is not None:
             weight = _check_weight(weight)
         every_k = _window_length(self._every_k_schedule, state.gradient_step, every_k)
+        grads, call_finite = updates, None
+        if self._loss_scale is not None:
+            grads, call_finite = _unscaled_call(
+                updates, self._window_scale(state, "update"), weight
+            )
         should_skip, skip_state = _should_skip(
-            self._should_skip_update_fn, updates, state.gradient_step, params, weight
+            self._should_skip_update_fn, grads, state.gradient_step, params, weight
         )
-        emit = jnp.logical_and(~should_skip, state.mini_step + 1 >= every_k)
-        sums = _add_call(updates, state, weight, should_skip)
+        should_skip, closes, emit, loss_scale = _verdict(
+            state, should_skip, call_finite, every_k
+        )
+        sums = _add_call(grads, state, weight, should_skip)
 
         def emit_window(acc_grads, inner_opt_state):
             grads = acc_grads
@@ -446,7 +523,7 @@ class MultiSteps:
         )
         new_state = MultiStepsState(
             mini_step=jnp.where(
-                emit, 0, jnp.where(should_skip, state.mini_step, state.mini_step + 1)
+                closes, 0, jnp.where(should_skip, state.mini_step, state.mini_step + 1)
             ).astype(jnp.int32),
             gradient_step=jnp.where(
                 emit, optax.safe_increment(state.gradient_step), state.gradient_step
@@ -456,6 +533,7 @@ class MultiSteps:
             skip_state=skip_state,
             acc_weight=sums.acc_weight,
             noise=sums.noise,
+            loss_scale=loss_scale,
         )
         return new_updates, new_state
 
@@ -466,9 +544,54 @@ class MultiSteps:
           state: a `MultiStepsState`.
 
         Returns:
-          A boolean scalar: True right after a window's emitting call.
+          A boolean scalar: True right after a window's emitting call (not
+          after a window that a loss scale's overflow skipped).
         """
-        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+        updated = jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+        if isinstance(state.loss_scale, WindowLossScale):
+            updated = updated & state.loss_scale.finite
+        return updated
+
+    def loss_scale(self, state: MultiStepsState) -> jax.Array:
+        """The scale to multiply this call's loss by: the current window's.
+
+        Args:
+          state: the state the call will pass to :meth:`update`.
+
+        Returns:
+          A float32 scalar, the same for every call of a window.
+
+        Raises:
+          ValueError: for a `MultiSteps` built without ``loss_scale``.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> import jaxaccum
+          >>> opt = jaxaccum.MultiSteps(optax.sgd(0.1), 2,
+          ...     loss_scale=jaxaccum.dynamic_loss_scale(2.0**10))
+          >>> params = jnp.ones(2)
+          >>> state = opt.init(params)
+          >>> def loss(params, scale):
+          ...     return scale * jnp.sum(params**2)
+          >>> for _ in range(2):
+          ...     grads = jax.grad(loss)(params, opt.loss_scale(state))
+          ...     updates, state = opt.update(grads, state, params)
+          ...     params = optax.apply_updates(params, updates)
+          >>> params, float(opt.loss_scale(state))
+          (Array([0.8, 0.8], dtype=float32), 1024.0)
+        """
+        return self._window_scale(state, "loss_scale").scale.loss_scale
+
+    def _window_scale(self, state: MultiStepsState, method: str) -> WindowLossScale:
+        if self._loss_scale is None or not isinstance(
+            state.loss_scale, WindowLossScale
+        ):
+            raise ValueError(
+                f"{method} needs the window's loss scale: build "
+                "MultiSteps(..., loss_scale=jaxaccum.dynamic_loss_scale()) and "
+                "pass the state its init returned."
+            )
+        return state.loss_scale
 
     def noise_estimates(self, state: MultiStepsState) -> NoiseEstimates:
         """The gradient noise estimates of the window the last call emitted:
@@ -557,6 +680,7 @@ def accumulate(
     should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
     accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
     track_noise_scale: bool = False,
+    loss_scale: DynamicLossScale | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``opt`` to step once per ``every_k`` calls; functional `MultiSteps`.
 
@@ -570,6 +694,8 @@ def accumulate(
       accumulator_dtype: dtype of the accumulator, float32 by default.
       track_noise_scale: keep the window's squared gradient norms (see
         :meth:`MultiSteps.noise_estimates`).
+      loss_scale: a :class:`jaxaccum.DynamicLossScale` held per window (see
+        :class:`MultiSteps`; read it from the state's ``loss_scale.scale``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -595,4 +721,5 @@ def accumulate(
         should_skip_update_fn=should_skip_update_fn,
         accumulator_dtype=accumulator_dtype,
         track_noise_scale=track_noise_scale,
+        loss_scale=loss_scale,
     ).gradient_transformation()

@@ -208,6 +208,9 @@ class AccumOptions:
       report_stats: also return a :class:`jaxaccum.WindowStats`.
       masked: ``N`` is a maximum; the call's ``active_microbatches`` (traced)
         says how many micro-batches are computed, the rest are skipped.
+      loss_scale: the call's ``loss_scale`` (a :class:`jaxaccum.DynamicLossScale`,
+        traced) multiplies every micro-batch's loss; the report is a
+        :class:`jaxaccum.LossScaleReport`.
       data_axes: manual mesh axes the batch is split over (``shard_map``):
         each device accumulates its rows, reduced once after the loop.
       param_gather: when parameters sharded over ``data_axes`` are gathered.
@@ -233,6 +236,7 @@ class AccumOptions:
     report_finite: bool = False
     report_stats: bool = False
     masked: bool = False
+    loss_scale: bool = False
     data_axes: tuple[str, ...] = ()
     param_gather: ShardMode = "auto"
     grad_reduce: ShardMode = "auto"
@@ -283,6 +287,13 @@ class AccumOptions:
             raise ValueError(
                 f"gather_dtype must be a floating dtype such as jnp.bfloat16 (or "
                 f"None), got {self.gather_dtype!r}."
+            )
+        if not isinstance(self.loss_scale, bool):
+            raise TypeError(
+                "loss_scale must be True or False when the function is built, got "
+                f"a {type(self.loss_scale).__name__}: the scale changes every "
+                "window, so build with loss_scale=True and pass the state per "
+                "call, accumulated(..., loss_scale=jaxaccum.dynamic_loss_scale())."
             )
         if self.report_finite and self.report_stats:
             raise ValueError(
@@ -342,7 +353,7 @@ class AccumOptions:
     @property
     def reports(self) -> bool:
         """Whether the accumulated function returns ``(out, report)``."""
-        return self.report_finite or self.report_stats
+        return self.report_finite or self.report_stats or self.loss_scale
 
     @property
     def full_batch(self) -> "AccumOptions":
@@ -423,6 +434,13 @@ SHARD_OPTIONS: dict[str, str] = {
     "sharded over the data axes are gathered and gradients reduced)."
     for name in ("param_gather", "grad_reduce", "gather_dtype")
 }
+
+
+# Why the testing and planning front ends refuse loss_scale.
+NO_LOSS_SCALE = (
+    "a loss scale changes neither memory nor the gradient it unscales: compare "
+    "or plan without it."
+)
 
 
 def options_signature(

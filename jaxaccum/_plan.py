@@ -43,7 +43,13 @@ import optax
 
 from jaxaccum import _split
 from jaxaccum._hlo import window_bytes
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions, argnums_tuple, check_count
+from jaxaccum._options import (
+    NO_LOSS_SCALE,
+    SHARD_OPTIONS,
+    AccumOptions,
+    argnums_tuple,
+    check_count,
+)
 from jaxaccum._shard import shard_value_and_grad
 from jaxaccum._value_and_grad import make_accumulated
 
@@ -271,7 +277,10 @@ def plan(
     budget = parse_memory_budget(memory_budget)
     # Validates argnums, batch_argnums and the rest once, before compiling.
     options = AccumOptions.create(
-        "plan", 1, value_and_grad_kwargs, refused=SHARD_OPTIONS
+        "plan",
+        1,
+        value_and_grad_kwargs,
+        refused={**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE},
     )
     batch_nums = options.batch_nums
     if len(args) <= max(batch_nums):

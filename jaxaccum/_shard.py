@@ -168,12 +168,15 @@ def shard_value_and_grad(
         per window for the others).
       gather_dtype: a dtype such as ``jnp.bfloat16`` that FSDP shards are cast
         to for their all-gather; the loss sees them in their own dtype.
+      loss_scale: as for :func:`jaxaccum.value_and_grad`: the call's
+        ``loss_scale=`` scales every device's micro-batches; the window is
+        finite on every device or on none.
 
     Returns:
       A function with ``fun``'s positional signature returning ``(value,
       grads)`` (``((value, aux), grads)`` with ``has_aux``; with
-      ``report_stats``, ``(that, stats)``): gradients sharded as the
-      parameters, everything else replicated.
+      ``report_stats`` or ``loss_scale``, ``(that, report)``): gradients
+      sharded as the parameters, everything else replicated.
 
     Raises:
       TypeError: for ``state_argnums``, ``report_finite`` or ``masked``, which
@@ -375,7 +378,7 @@ def _out_specs(options: AccumOptions, grad_specs: tuple) -> Any:
     grads = grad_specs[0] if isinstance(options.argnums, int) else grad_specs
     value = (PartitionSpec(), PartitionSpec()) if options.has_aux else PartitionSpec()
     out_specs = (value, grads)
-    return (out_specs, PartitionSpec()) if options.report_stats else out_specs
+    return (out_specs, PartitionSpec()) if options.reports else out_specs
 
 
 def _auto_model_axes(

@@ -12,6 +12,12 @@ from jax import lax
 
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
+from jaxaccum._loss_scale import (
+    LossScaleReport,
+    check_loss_scale,
+    scale_loss,
+    update_loss_scale,
+)
 from jaxaccum._noise_scale import window_stats
 from jaxaccum._options import (
     SHARD_OPTIONS,
@@ -74,12 +80,17 @@ def value_and_grad(
       report_stats: also return a :class:`WindowStats` (the noise scale).
       masked: ``N`` is a maximum: the call's ``active_microbatches`` (traced
         under ``jit``) says how many micro-batches one program computes.
+      loss_scale: the call's ``loss_scale=`` (a :class:`DynamicLossScale`)
+        scales every micro-batch's loss; the gradients come back unscaled and
+        the report is a :class:`LossScaleReport` (finite, the next scale).
+        Guide: [Mixed precision](../guides/mixed-precision.md).
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``
       (``((value, aux), grads)`` with ``has_aux``), ``grads`` like
       ``args[argnums]``; with ``state_argnums``, ``(that, new_state)``; with
-      ``report_finite`` or ``report_stats``, ``(all that, report)``.
+      ``report_finite``, ``report_stats`` or ``loss_scale``, ``(all that,
+      report)``.
 
     Raises:
       TypeError: for an unknown or ill-typed option or non-float ``argnums``.
@@ -135,8 +146,8 @@ def grad(
 
     With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
     ``state_argnums``, ``(that, new_state)``; with ``report_finite``
-    (``report_stats``), all that and the :class:`FiniteReport`
-    (:class:`WindowStats`).
+    (``report_stats``, ``loss_scale``), all that and the :class:`FiniteReport`
+    (:class:`WindowStats`, :class:`LossScaleReport`).
 
     Args:
       fun: the loss, as for :func:`value_and_grad`: a scalar mean (or sum, or
@@ -187,7 +198,8 @@ def grads_only(
 
 
 class _Inputs(NamedTuple):
-    """The window's arguments by role (each a tuple in argument order)."""
+    """The window's arguments by role (each a tuple in argument order), the
+    call's ``active_microbatches`` and loss scale (float32) where given."""
 
     diff: tuple
     batch: tuple
@@ -195,6 +207,7 @@ class _Inputs(NamedTuple):
     state: tuple
     example_mask: jax.Array | None
     active: jax.Array | None = None
+    loss_scale: jax.Array | None = None
 
 
 def make_accumulated(
@@ -213,6 +226,7 @@ def make_accumulated(
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> Any:
         active = _pop_active_microbatches(kwargs, options)
+        scale = _pop_loss_scale(kwargs, options)
         check_arg_count(args, options)
         labelled_batches = [(f"args[{i}]", args[i]) for i in options.batch_nums]
         split = _split.resolve_num_microbatches(
@@ -230,37 +244,42 @@ def make_accumulated(
                 labelled_batches, split.padded_size, split.num_microbatches
             )
         _check_differentiable(args, options.diff_nums)
-        micro = _micro_value_and_grad(fun, args, kwargs, options)
-        inputs = _inputs(args, options, split, active)
+        loss_scale = None if scale is None else scale.loss_scale
+        micro = _micro_value_and_grad(fun, args, kwargs, options, loss_scale)
+        inputs = _inputs(args, options, split, active)._replace(loss_scale=loss_scale)
         run = _single if split.num_microbatches == 1 else _scan
-        return _package(run(micro, inputs, options, split), options, valid)
+        out = run(micro, inputs, options, split)
+        return _package(out, options, valid, scale)
 
-    if options.masked:
-        add_active_microbatches_parameter(accumulated, fun)
+    add_call_parameters(accumulated, fun, options)
     return accumulated
 
 
-def add_active_microbatches_parameter(
-    accumulated: Callable[..., Any], fun: Callable[..., Any]
+def add_call_parameters(
+    accumulated: Callable[..., Any], fun: Callable[..., Any], options: AccumOptions
 ) -> None:
     """Gives ``accumulated`` ``fun``'s signature plus the keyword-only
-    ``active_microbatches``, so that wrappers which bind the signature
-    (``eqx.filter_jit``) accept it; ``functools.wraps`` alone would give it
-    ``fun``'s, without it."""
+    arguments ``options`` make it take per call (``active_microbatches``
+    with ``masked``, ``loss_scale`` with ``loss_scale``), so that wrappers
+    which bind the signature (``eqx.filter_jit``) accept them;
+    ``functools.wraps`` alone would give it ``fun``'s, without them."""
+    names = {"active_microbatches": options.masked, "loss_scale": options.loss_scale}
+    wanted = [name for name, taken in names.items() if taken]
+    if not wanted:
+        return
     try:
         signature = inspect.signature(fun)
     except (TypeError, ValueError):  # no signature to read (a C function)
         return
-    if "active_microbatches" in signature.parameters:
-        return
     parameters = list(signature.parameters.values())
-    keyword = inspect.Parameter(
-        "active_microbatches", inspect.Parameter.KEYWORD_ONLY, annotation=int
-    )
     at = len(parameters)
     if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
         at -= 1
-    parameters.insert(at, keyword)
+    parameters[at:at] = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY)
+        for name in wanted
+        if name not in signature.parameters
+    ]
     accumulated.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=parameters
     )
@@ -286,6 +305,28 @@ def _pop_active_microbatches(kwargs: dict, options: AccumOptions) -> Any:
             "micro-batches to compute (an int, traced under jit)."
         )
     return kwargs.pop("active_microbatches")
+
+
+def _pop_loss_scale(kwargs: dict, options: AccumOptions) -> Any:
+    """With ``loss_scale``, the call's loss-scale state, popped from
+    ``kwargs`` and checked; without, a refusal if it is passed."""
+    if not options.loss_scale:
+        if "loss_scale" in kwargs:
+            raise TypeError(
+                "loss_scale was passed to a function built without "
+                "loss_scale=True: it would reach fun as a keyword argument and "
+                "no micro-batch would be scaled. Build the function with "
+                "loss_scale=True."
+            )
+        return None
+    if "loss_scale" not in kwargs:
+        raise TypeError(
+            "With loss_scale=True, call the accumulated function with the "
+            "keyword argument loss_scale: the window's jaxaccum.DynamicLossScale "
+            "(jaxaccum.dynamic_loss_scale() at first, then the loss_scale of "
+            "the previous window's LossScaleReport)."
+        )
+    return check_loss_scale("loss_scale", kwargs.pop("loss_scale"))
 
 
 def _check_active_microbatches(active: Any, num_microbatches: int) -> Any:
@@ -343,12 +384,18 @@ def _weighted_pair(loss: Any) -> tuple[Any, Any]:
 
 
 def _micro_value_and_grad(
-    fun: Callable[..., Any], args: tuple, kwargs: dict, options: AccumOptions
+    fun: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    options: AccumOptions,
+    loss_scale: jax.Array | None = None,
 ) -> Callable[..., MicroResult]:
     """The value and gradient of one micro-batch, as a :class:`MicroResult`.
 
     Called as ``micro(diff, batch, keys, state, example_mask)``, each a tuple of
     that role's arguments; the other arguments of ``fun`` are closed over.
+    With ``loss_scale``, the loss is scaled before it is differentiated: the
+    gradients come out scaled, the value as ``fun`` returned it.
     """
     roles = (
         options.diff_nums,
@@ -374,7 +421,8 @@ def _micro_value_and_grad(
         weight = ()
         if options.reduction == "weighted":
             loss, weight = _weighted_pair(loss)
-        return loss, MicroOut(weight, aux, tuple(new_state))
+        differentiated = loss if loss_scale is None else scale_loss(loss, loss_scale)
+        return differentiated, (loss, MicroOut(weight, aux, tuple(new_state)))
 
     if options.remat:
         policy = None if isinstance(options.remat, bool) else options.remat
@@ -384,7 +432,7 @@ def _micro_value_and_grad(
     def micro(diff, batch, keys, state, example_mask) -> MicroResult:
         # Named so that a profiler trace shows where a window's time goes.
         with jax.named_scope("jaxaccum_microbatch"):
-            (value, out), grads = value_and_grad_fun(
+            (_, (value, out)), grads = value_and_grad_fun(
                 diff, batch, keys, state, example_mask
             )
         return MicroResult(value, out, grads)
@@ -453,7 +501,7 @@ def _window(
 ) -> Window:
     """The window of both paths, once the state ``fun`` returns is checked."""
     _check_state(inputs.state, result_shape.out.new_state, options.state_nums)
-    return Window(result_shape, options, split)
+    return Window(result_shape, options, split, inputs.loss_scale)
 
 
 def _single(
@@ -581,11 +629,15 @@ def _invalid_unless(valid: jax.Array | None, tree: Any) -> Any:
     return jax.tree.map(invalid, tree)
 
 
-def _package(out: WindowOut, options: AccumOptions, valid: Any = None) -> Any:
+def _package(
+    out: WindowOut, options: AccumOptions, valid: Any = None, scale: Any = None
+) -> Any:
     """The window's result in the layout ``value_and_grad`` documents;
     ``valid`` (traced, for ``masked``) false makes the value, aux, gradients
-    and report invalid (see :func:`_invalid_unless`), the new state aside."""
-    value, aux, grads, grad_sq_norm = out.result
+    and report invalid (see :func:`_invalid_unless`), the new state aside;
+    ``scale``, the call's :class:`DynamicLossScale` (with ``loss_scale``),
+    makes the report a :class:`LossScaleReport`."""
+    value, aux, grads, grad_sq_norm, finite = out.result
     value, aux, grads = _invalid_unless(valid, (value, aux, grads))
     grads = grads[0] if isinstance(options.argnums, int) else grads
     result = ((value, aux), grads) if options.has_aux else (value, grads)
@@ -594,6 +646,7 @@ def _package(out: WindowOut, options: AccumOptions, valid: Any = None) -> Any:
         if isinstance(options.state_argnums, int):
             new_state = new_state[0]
         result = result, new_state
+    report: Any = ()
     if options.report_stats:
         stats = window_stats(
             out.micro,
@@ -601,8 +654,27 @@ def _package(out: WindowOut, options: AccumOptions, valid: Any = None) -> Any:
             options.reduction,
             options.data_axes,
         )
-        return result, _invalid_unless(valid, stats)
-    if options.report_finite:
-        finite = out.micro.finite
-        return result, _invalid_unless(valid, FiniteReport(finite, jnp.all(finite)))
-    return result
+        report = _invalid_unless(valid, stats)
+    elif options.report_finite:
+        flags = out.micro.finite
+        report = _invalid_unless(valid, FiniteReport(flags, jnp.all(flags)))
+    if options.loss_scale:
+        report = _loss_scale_report(
+            typing.cast(jax.Array, finite), scale, valid, report
+        )
+    return (result, report) if options.reports else result
+
+
+def _loss_scale_report(
+    finite: jax.Array, scale: Any, valid: jax.Array | None, report: Any
+) -> LossScaleReport:
+    """The window's :class:`LossScaleReport`. A window out of range (``valid``
+    false, traced) is not finite, and leaves the scale as it was: nothing
+    overflowed."""
+    next_scale = update_loss_scale(scale, finite)
+    if valid is not None:
+        finite = finite & valid
+        next_scale = jax.tree.map(
+            lambda new, old: jnp.where(valid, new, old), next_scale, scale
+        )
+    return LossScaleReport(finite, next_scale, report)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._fsdp import shard_plan
+from jaxaccum._loss_scale import tree_finite, unscale
 from jaxaccum._noise_scale import MicroStats, squared_norm
 from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
@@ -205,14 +206,25 @@ class Sums(NamedTuple):
 
 
 class Window:
-    """Sums of one window's micro-batch results, and their normalisation."""
+    """Sums of one window's micro-batch results, and their normalisation.
 
-    def __init__(self, result_shape: MicroResult, options: AccumOptions, split: Split):
+    With a ``loss_scale`` (traced, the window's), each micro-batch's gradient
+    comes scaled by it; the sums are unscaled once, after the last one.
+    """
+
+    def __init__(
+        self,
+        result_shape: MicroResult,
+        options: AccumOptions,
+        split: Split,
+        loss_scale: jax.Array | None = None,
+    ):
         self.value_shape = result_shape.value
         self.weight_shape = result_shape.out.weight
         self.grads_shape = result_shape.grads
         self.options = options
         self.split = split
+        self.loss_scale = loss_scale
         self.shards = shard_plan(options)
         self.aux_plan = AuxPlan(
             options.aux_reduction if options.has_aux else "mean",
@@ -293,7 +305,10 @@ class Window:
             weight = jnp.sum(example_mask, dtype=jnp.float32)
         else:
             weight = jnp.float32(self.split.microbatch_size)
-        return MicroStats(finite, squared_norm(result.grads), weight)
+        sq_norm = squared_norm(result.grads)
+        if self.loss_scale is not None:
+            sq_norm = sq_norm / jnp.square(self.loss_scale)
+        return MicroStats(finite, sq_norm, weight)
 
     def _sum_sq_norm(self, grad_sums: Any) -> jax.Array | None:
         """For ``report_stats``, the float32 squared norm of the window's
@@ -325,6 +340,15 @@ class Window:
             grads = self.shards.reduce(sums.grads, in_window=True)
             sums = Sums(value, weight, grads, aux)
             num_means *= lax.axis_size(data_axes)
+        finite = None
+        if self.loss_scale is not None:
+            grads = jax.tree.map(
+                lambda total, wide: wide.astype(total.dtype),
+                sums.grads,
+                unscale(sums.grads, self.loss_scale),
+            )
+            sums = sums._replace(grads=grads)
+            finite = self._finite(sums)
         grad_sq_norm = self._sum_sq_norm(sums.grads)
         totals = (sums.value, sums.grads)
         if self.options.reduction == "weighted":
@@ -341,19 +365,38 @@ class Window:
         aux = self.aux_plan.finalize(
             sums.aux, stacked, num_means, self.split.batch_size
         )
-        return WindowResult(value, aux, grads, grad_sq_norm)
+        return WindowResult(value, aux, grads, grad_sq_norm, finite)
+
+    def _finite(self, sums: Sums) -> jax.Array:
+        """Whether the window's sums (reduced over devices) are all finite,
+        the same on every device: a gradient scattered over the data axes
+        is checked shard by shard, and the flags are joined over them."""
+        whole: list = [sums.value, sums.weight]
+        sharded: list = []
+        dims: tuple[int | None, ...] = (None,) * len(jax.tree.leaves(sums.grads))
+        if self.shards is not None:
+            dims = self.shards.dims
+        for dim, grad in zip(dims, jax.tree.leaves(sums.grads), strict=True):
+            (whole if dim is None else sharded).append(grad)
+        finite = tree_finite(whole)
+        if sharded:
+            local = tree_finite(sharded).astype(jnp.int32)
+            finite = finite & (lax.pmin(local, self.options.data_axes) > 0)
+        return finite
 
 
 class WindowResult(NamedTuple):
     """A window's normalised value, aux and gradients (tuples, one per
-    differentiated argument), and for ``report_stats`` the float32 squared
-    norm of the gradient sum before normalisation (else None): see
-    :func:`jaxaccum._noise_scale.window_stats`."""
+    differentiated argument); for ``report_stats`` the float32 squared norm
+    of the gradient sum before normalisation (else None): see
+    :func:`jaxaccum._noise_scale.window_stats`; with a loss scale, whether
+    the window's sums are all finite (else None)."""
 
     value: Any
     aux: Any
     grads: Any
     grad_sq_norm: jax.Array | None
+    finite: jax.Array | None = None
 
 
 class WindowOut(NamedTuple):

@@ -42,7 +42,7 @@ from jaxaccum._options import (
     options_signature,
 )
 from jaxaccum._value_and_grad import (
-    add_active_microbatches_parameter,
+    add_call_parameters,
     grads_only,
     make_accumulated,
     signature_of,
@@ -107,6 +107,9 @@ def filter_value_and_grad(
       report_stats: also return a :class:`jaxaccum.WindowStats` (the noise scale).
       masked: ``N`` is a maximum: the call's ``active_microbatches`` says how
         many micro-batches to compute; pass it as an array under ``eqx.filter_jit``.
+      loss_scale: the call's ``loss_scale=`` (a :class:`jaxaccum.DynamicLossScale`)
+        scales every micro-batch's loss; the report is a
+        :class:`jaxaccum.LossScaleReport`.
 
     Returns:
       ``accumulated(model, *args, **kwargs)`` returning ``(value, grads)``
@@ -137,8 +140,7 @@ def filter_value_and_grad(
         on_arrays, arrays = _on_arrays(fun, model)
         return make_accumulated(on_arrays, accum_options)(arrays, *args, **kwargs)
 
-    if accum_options.masked:
-        add_active_microbatches_parameter(accumulated, fun)
+    add_call_parameters(accumulated, fun, accum_options)
     return accumulated
 
 

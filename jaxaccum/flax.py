@@ -340,7 +340,9 @@ def linen_train_step(
       ``step(state, batch, *args, rngs=None, **kwargs) -> (new_state, loss)``
       (``(new_state, (loss, aux))`` with ``has_aux``; with ``report_finite``
       or ``report_stats``, the report last: ``(new_state, loss, report)``).
-      Wrap it in ``jax.jit``.
+      Wrap it in ``jax.jit``. It applies the gradients whatever they are: with
+      ``loss_scale=True`` keep ``jaxaccum.select_if_finite(report.finite,
+      new_state, state)``, the old state where the window overflowed.
 
     Examples:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, optax

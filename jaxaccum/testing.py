@@ -21,7 +21,7 @@ from jaxaccum._hlo import (
     find_collectives,
     window_bytes,
 )
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions
+from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
 
 __all__ = [
     "COLLECTIVES",
@@ -86,7 +86,7 @@ def assert_grads_match_full_batch(
         "assert_grads_match_full_batch",
         num_microbatches,
         value_and_grad_kwargs,
-        refused=SHARD_OPTIONS,
+        refused={**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE},
     )
     accumulated, reference = accumulated_and_reference(fun, args, options)
     try:

@@ -92,6 +92,9 @@ class Combo:
     # then holds the N it gives.
     microbatch_size: int | None = None
     batch_node: bool = False  # the batch is a registered Rows node (below)
+    # Built with loss_scale=True: each call passes a loss_scale= state, and
+    # the report is a LossScaleReport (test_loss_scale.py).
+    loss_scale: bool = False
 
     @property
     def devices(self) -> int:
@@ -366,6 +369,8 @@ def _accumulated(combo: Combo) -> Callable[..., Any]:
     }
     if combo.masked:
         options["masked"] = True
+    if combo.loss_scale:
+        options["loss_scale"] = True
     fun, num = front_end_loss(combo), combo.num_microbatches
     if combo.microbatch_size is not None:
         num = None  # N from the batch's rows
@@ -396,7 +401,8 @@ def _model(path: str, params: dict) -> Any:
 
 def make_step(combo: Combo) -> Callable[..., Any]:
     """``step(params, batch, offset, **call_kwargs)`` for one cell; the
-    keywords (``active_microbatches``) go to the accumulated function."""
+    keywords (``active_microbatches``, ``loss_scale``) go to the accumulated
+    function."""
     accumulated = _accumulated(combo)
 
     def step(params, batch, offset, **call_kwargs):

@@ -118,7 +118,9 @@ def test_init_only_re_exports():
 
 
 CORE = {
+    "DynamicLossScale",
     "FiniteReport",
+    "LossScaleReport",
     "MemoryPlan",
     "MemoryPlanRow",
     "ModePlan",
@@ -128,6 +130,7 @@ CORE = {
     "NoiseEstimates",
     "WindowStats",
     "accumulate",
+    "dynamic_loss_scale",
     "grad",
     "masked_sum",
     "pad_microbatches",
@@ -136,9 +139,11 @@ CORE = {
     "plan",
     "plan_modes",
     "register_batch_node",
+    "select_if_finite",
     "shard_batch",
     "shard_value_and_grad",
     "split_batch",
+    "update_loss_scale",
     "value_and_grad",
 }
 
