@@ -284,6 +284,14 @@ class WindowLossScale(NamedTuple):
     finite: jax.Array
 
 
+def first_window(loss_scale: DynamicLossScale | None) -> Any:
+    """A ``MultiStepsState.loss_scale`` before any call: the scale, finite so
+    far (``()`` without a scale)."""
+    if loss_scale is None:
+        return ()
+    return WindowLossScale(loss_scale, jnp.array(True))
+
+
 def after_call(
     state: WindowLossScale,
     call_finite: jax.Array,

@@ -405,20 +405,17 @@ class MultiSteps:
           use_grad_mean: emit the window's weighted mean gradient ``sum(w *
             g) / sum(w)`` (``w = 1`` without ``weight``) if True, else the sum.
           should_skip_update_fn: as ``optax.skip_not_finite``; a call it
-            rejects leaves the state but ``skip_state`` bitwise unchanged.
-            With ``loss_scale`` it sees the unscaled gradient, and a call
-            that is not finite is the window's, never skipped alone.
+            rejects leaves the state but ``skip_state`` bitwise unchanged
+            (with ``loss_scale``, a non-finite call is the window's).
           accumulator_dtype: the least precise dtype of ``acc_grads`` (float32:
             bfloat16 and float16 gradients sum in float32); None keeps the
             params' dtypes.
           track_noise_scale: keep the window's squared norms, for
             :meth:`window_stats` and :meth:`noise_estimates`.
-          loss_scale: the first window's :class:`jaxaccum.DynamicLossScale`
-            (e.g. ``jaxaccum.dynamic_loss_scale()``), kept in the state: each
-            call's gradient comes from a loss multiplied by
-            :meth:`loss_scale`; a window with a call that is not finite is
-            skipped whole (no update, the inner state kept, the scale backed
-            off), and the scale grows after ``period`` finite windows.
+          loss_scale: the first window's :class:`jaxaccum.DynamicLossScale`,
+            kept in the state; each call's loss is multiplied by
+            :meth:`loss_scale`, and a window with a non-finite call is skipped
+            whole (the scale backed off; grown after ``period`` finite ones).
         """
         self._opt = optax.with_extra_args_support(opt)
         self._every_k_schedule = _check_schedule(every_k_schedule)
@@ -436,14 +433,8 @@ class MultiSteps:
         return self._opt
 
     def init(self, params: optax.Params) -> MultiStepsState:
-        """Returns the state at the start of the first window.
-
-        Args:
-          params: the parameters the wrapped optimizer is initialised with.
-
-        Returns:
-          A `MultiStepsState` with zero counters and accumulator.
-        """
+        """The state at the start of the first window: zero counters and
+        accumulator, ``params`` given to the wrapped optimizer's ``init``."""
         gradient_step = jnp.zeros([], jnp.int32)
         _, skip_state = self._should_skip_update_fn(
             optax.tree.zeros_like(params), gradient_step, params
@@ -452,20 +443,11 @@ class MultiSteps:
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=gradient_step,
             inner_opt_state=self._opt.init(params),
-            acc_grads=jax.tree.map(
-                lambda param: jnp.zeros_like(
-                    param, accum_dtype_for(param.dtype, self._accumulator_dtype)
-                ),
-                params,
-            ),
+            acc_grads=_zero_accumulator(params, self._accumulator_dtype),
             skip_state=skip_state,
             acc_weight=jnp.zeros([], jnp.float32),
             noise=_window_noise.init_window_noise() if self._track_noise_scale else (),
-            loss_scale=(
-                ()
-                if self._loss_scale is None
-                else WindowLossScale(self._loss_scale, jnp.array(True))
-            ),
+            loss_scale=_loss_scale.first_window(self._loss_scale),
         )
 
     def update(
@@ -502,7 +484,7 @@ class MultiSteps:
         grads, call_finite = updates, None
         if self._loss_scale is not None:
             grads, call_finite = _unscaled_call(
-                updates, self._window_scale(state, "update"), weight
+                updates, _window_scale(self._loss_scale, state, "update"), weight
             )
         should_skip, skip_state = _should_skip(
             self._should_skip_update_fn, grads, state.gradient_step, params, weight
@@ -521,77 +503,37 @@ class MultiSteps:
         new_updates, inner_opt_state, sums = _close_or_carry(
             emit, sums, state.inner_opt_state, emit_window
         )
+        mini_step, gradient_step = _counters(state, closes, should_skip, emit)
         new_state = MultiStepsState(
-            mini_step=jnp.where(
-                closes, 0, jnp.where(should_skip, state.mini_step, state.mini_step + 1)
-            ).astype(jnp.int32),
-            gradient_step=jnp.where(
-                emit, optax.safe_increment(state.gradient_step), state.gradient_step
-            ),
-            inner_opt_state=inner_opt_state,
-            acc_grads=sums.acc_grads,
-            skip_state=skip_state,
-            acc_weight=sums.acc_weight,
-            noise=sums.noise,
-            loss_scale=loss_scale,
+            mini_step,
+            gradient_step,
+            inner_opt_state,
+            sums.acc_grads,
+            skip_state,
+            sums.acc_weight,
+            sums.noise,
+            loss_scale,
         )
         return new_updates, new_state
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
-        """Returns whether the call that produced ``state`` emitted an update.
-
-        Args:
-          state: a `MultiStepsState`.
-
-        Returns:
-          A boolean scalar: True right after a window's emitting call (not
-          after a window that a loss scale's overflow skipped).
-        """
+        """Whether the call that produced ``state`` (a `MultiStepsState`)
+        emitted an update: a boolean scalar, True right after a window's
+        emitting call (not after one that a loss scale's overflow skipped)."""
         updated = jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
         if isinstance(state.loss_scale, WindowLossScale):
             updated = updated & state.loss_scale.finite
         return updated
 
     def loss_scale(self, state: MultiStepsState) -> jax.Array:
-        """The scale to multiply this call's loss by: the current window's.
-
-        Args:
-          state: the state the call will pass to :meth:`update`.
-
-        Returns:
-          A float32 scalar, the same for every call of a window.
+        """The scale to multiply this call's loss by: the current window's, a
+        float32 scalar, the same for every call of a window (an example:
+        [Mixed precision](../guides/mixed-precision.md#across-calls-multisteps)).
 
         Raises:
           ValueError: for a `MultiSteps` built without ``loss_scale``.
-
-        Examples:
-          >>> import jax, jax.numpy as jnp, optax
-          >>> import jaxaccum
-          >>> opt = jaxaccum.MultiSteps(optax.sgd(0.1), 2,
-          ...     loss_scale=jaxaccum.dynamic_loss_scale(2.0**10))
-          >>> params = jnp.ones(2)
-          >>> state = opt.init(params)
-          >>> def loss(params, scale):
-          ...     return scale * jnp.sum(params**2)
-          >>> for _ in range(2):
-          ...     grads = jax.grad(loss)(params, opt.loss_scale(state))
-          ...     updates, state = opt.update(grads, state, params)
-          ...     params = optax.apply_updates(params, updates)
-          >>> params, float(opt.loss_scale(state))
-          (Array([0.8, 0.8], dtype=float32), 1024.0)
         """
-        return self._window_scale(state, "loss_scale").scale.loss_scale
-
-    def _window_scale(self, state: MultiStepsState, method: str) -> WindowLossScale:
-        if self._loss_scale is None or not isinstance(
-            state.loss_scale, WindowLossScale
-        ):
-            raise ValueError(
-                f"{method} needs the window's loss scale: build "
-                "MultiSteps(..., loss_scale=jaxaccum.dynamic_loss_scale()) and "
-                "pass the state its init returned."
-            )
-        return state.loss_scale
+        return _window_scale(self._loss_scale, state, "loss_scale").scale.loss_scale
 
     def noise_estimates(self, state: MultiStepsState) -> NoiseEstimates:
         """The gradient noise estimates of the window the last call emitted:
@@ -607,7 +549,7 @@ class MultiSteps:
         Raises:
           ValueError: without ``track_noise_scale=True``.
         """
-        stats = self._tracked_stats(state, "noise_estimates")
+        stats = _tracked_stats(self, state, "noise_estimates")
         return NoiseEstimates(
             stats.gradient_norm_sq, stats.gradient_noise_trace, stats.noise_scale
         )
@@ -654,22 +596,64 @@ class MultiSteps:
           >>> float(opt.window_stats(state).big_batch)  # mid-window
           nan
         """
-        return self._tracked_stats(state, "window_stats")
-
-    def _tracked_stats(self, state: MultiStepsState, method: str) -> WindowStats:
-        """:meth:`window_stats` from the state's sums, NaN mid-window."""
-        if not (self._track_noise_scale and isinstance(state.noise, WindowNoise)):
-            raise ValueError(
-                f"{method} needs the window's squared norms: build "
-                "MultiSteps(..., track_noise_scale=True)."
-            )
-        return _window_noise.window_stats(
-            state.noise, jnp.asarray(state.acc_weight), self.has_updated(state)
-        )
+        return _tracked_stats(self, state, "window_stats")
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """Returns this wrapper as an ``optax.GradientTransformationExtraArgs``."""
         return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+
+def _zero_accumulator(params: optax.Params, accumulator_dtype: Any) -> Any:
+    """Zeros like ``params``, each in its dtype promoted to ``accumulator_dtype``."""
+    return jax.tree.map(
+        lambda param: jnp.zeros_like(
+            param, accum_dtype_for(param.dtype, accumulator_dtype)
+        ),
+        params,
+    )
+
+
+def _counters(
+    state: MultiStepsState, closes: jax.Array, should_skip: jax.Array, emit: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``mini_step`` and ``gradient_step`` after a call: the first reset when
+    the call closes its window (emitted or skipped whole), kept when the call
+    is dropped; the second advanced when it emits."""
+    mini_step = jnp.where(
+        closes, 0, jnp.where(should_skip, state.mini_step, state.mini_step + 1)
+    ).astype(jnp.int32)
+    gradient_step = jnp.where(
+        emit, optax.safe_increment(state.gradient_step), state.gradient_step
+    )
+    return mini_step, gradient_step
+
+
+def _window_scale(
+    loss_scale: DynamicLossScale | None, state: MultiStepsState, method: str
+) -> WindowLossScale:
+    """The state's window loss scale, or an error naming ``method``."""
+    if loss_scale is None or not isinstance(state.loss_scale, WindowLossScale):
+        raise ValueError(
+            f"{method} needs the window's loss scale: build "
+            "MultiSteps(..., loss_scale=jaxaccum.dynamic_loss_scale()) and "
+            "pass the state its init returned."
+        )
+    return state.loss_scale
+
+
+def _tracked_stats(
+    multisteps: MultiSteps, state: MultiStepsState, method: str
+) -> WindowStats:
+    """:meth:`MultiSteps.window_stats` from the state's sums, NaN mid-window;
+    an error naming ``method`` without ``track_noise_scale``."""
+    if not (multisteps._track_noise_scale and isinstance(state.noise, WindowNoise)):
+        raise ValueError(
+            f"{method} needs the window's squared norms: build "
+            "MultiSteps(..., track_noise_scale=True)."
+        )
+    return _window_noise.window_stats(
+        state.noise, jnp.asarray(state.acc_weight), multisteps.has_updated(state)
+    )
 
 
 def accumulate(
