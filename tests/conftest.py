@@ -31,7 +31,11 @@ NOT_NUMERICS = {"test_layout.py", "test_memory.py", "test_cli.py", "test_site.py
 # the single-device tests check under every instruction set, and its main
 # claims (which collectives, how many bytes) are read from the compiled HLO,
 # which the instruction set does not change. CI runs it once, in the main run.
-SLOW = {"test_sharded.py"}
+# The pipeline's 8-device checks (about a minute) likewise: their window sums
+# are checked in process against the micro-batch reference under every
+# instruction set (test_pipeline.py's own tests), their bubble FLOPs and
+# collectives are read from the compiled HLO.
+SLOW = {"test_sharded.py", "test_pipeline.py::test_pipeline_on_8_devices"}
 EXPECTS_AN_ERROR = re.compile(r"\bpytest\.(raises|warns)\(")
 COMPARES_VALUES = re.compile(
     r"tol\b|TOL\b|close|approx|_equal|_match|==|float\(|\.item\(|tolist|"
@@ -60,5 +64,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         error_only = function is not None and _checks_only_errors(function)
         if item.path.name not in NOT_NUMERICS and not error_only:
             item.add_marker(pytest.mark.numerics)
-        if item.path.name in SLOW:
+        if item.path.name in SLOW or item.nodeid.split("[")[0].endswith(
+            tuple(f"/{name}" for name in SLOW)
+        ):
             item.add_marker(pytest.mark.slow)
