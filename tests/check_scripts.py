@@ -45,10 +45,25 @@ def report(checks: Sequence[str], run: Callable[[str], str], num_devices: int):
     print(json.dumps(results))
 
 
-def run_script(script: str, num_devices: int, timeout: float) -> dict:
-    """Runs a check script in a subprocess; returns its results by name."""
+def selected_checks(request) -> list[str]:
+    """The ``check`` parameters of the requesting module's tests that this
+    session runs: all of them, unless ``-m``, ``-k`` or node ids left some out
+    (CI's instruction-set reruns run a few: tests/conftest.py's CLAIMS)."""
+    return [
+        item.callspec.params["check"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and "check" in getattr(getattr(item, "callspec", None), "params", {})
+    ]
+
+
+def run_script(
+    script: str, num_devices: int, timeout: float, checks: Sequence[str] = ()
+) -> dict:
+    """Runs a check script in a subprocess (the checks named, else all);
+    returns their results by name."""
     process = subprocess.run(
-        [sys.executable, str(TESTS / script)],
+        [sys.executable, str(TESTS / script), *checks],
         env=device_env(num_devices),
         cwd=TESTS,
         capture_output=True,

@@ -1,70 +1,212 @@
-"""Marks the tests whose results depend on float rounding: ``numerics``.
+"""The suite's configuration: one compilation cache per run, and ``numerics``.
 
-XLA's CPU backend picks its vector code from the host, so summation order and
-fused multiply-adds (and with them float32 rounding) differ between machines.
-CI runs the ``numerics`` tests again under the instruction sets other than the
-host's (``--xla_cpu_max_isa=AVX``, ``AVX2``; ``pytest -m "numerics and not
-slow"``); docs/development.md has the full matrix.
+Compilations. Many tests compile the same program (a full-batch reference, a
+model's step at one shape); a run keeps one XLA compilation cache in a
+temporary directory that its processes (pytest-xdist's workers, the 8-device
+subprocesses, the notebooks' kernels) share and that is removed at its end.
+Its key holds ``XLA_FLAGS``, so an instruction-set rerun never reuses another
+instruction set's code.
 
-A test is ``numerics`` unless rounding cannot change its outcome:
-
-- the modules below check imports, compiled memory (a byte count the
-  instruction set does not change), the command line's output and the built
-  site;
-- a test whose own body raises on bad input (``pytest.raises`` or
-  ``pytest.warns``) and compares no values (no tolerance, no equality of
-  arrays) checks an error message, which no instruction set changes.
-
-Everything else (every comparison against the big batch, the doctests, the
-docs pages' examples, the notebooks) is rerun.
+Numerics. XLA's CPU backend picks its vector code from the host, so summation
+order and fused multiply-adds (and with them float32 rounding) differ between
+machines. CI runs the tests marked ``numerics`` again under the instruction
+sets other than the host's (``--xla_cpu_max_isa=AVX``, ``AVX2``; ``pytest -m
+numerics``) to show that every derived tolerance holds where XLA vectorises
+differently. A rerun checks claims, not the whole suite: ``CLAIMS`` names, for
+each kind of claim the library makes, the few tests that prove it; the wide
+matrices (the option matrix, the property tests, the command line's flags,
+the 8-device matrices but for a few of their checks) run once, in the main
+run. Each notebook's claims are kinds of this table (docs/development.md maps
+them). ``.ci/collected.py`` fails a run in which a kind selects no test.
 """
 
-import ast
-import functools
-import inspect
-import re
+import atexit
+import os
+import shutil
+import sys
+import tempfile
 
 import pytest
 
-NOT_NUMERICS = {"test_layout.py", "test_memory.py", "test_cli.py", "test_site.py"}
-# The 8-device sharded matrix (about 2 minutes): its values are the same sums
-# the single-device tests check under every instruction set, and its main
-# claims (which collectives, how many bytes) are read from the compiled HLO,
-# which the instruction set does not change. CI runs it once, in the main run.
-# The pipeline's 8-device checks (about a minute) likewise: their window sums
-# are checked in process against the micro-batch reference under every
-# instruction set (test_pipeline.py's own tests), their bubble FLOPs and
-# collectives are read from the compiled HLO.
-SLOW = {"test_sharded.py", "test_pipeline.py::test_pipeline_on_8_devices"}
-EXPECTS_AN_ERROR = re.compile(r"\bpytest\.(raises|warns)\(")
-COMPARES_VALUES = re.compile(
-    r"tol\b|TOL\b|close|approx|_equal|_match|==|float\(|\.item\(|tolist|"
-    r"assert_trees|allclose|isclose|finite|\bnan\b|isnan"
+
+def _share_compilations() -> None:
+    """One XLA compilation cache for this run, shared by its processes."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # set by the user, or by the pytest process that started this one
+    directory = tempfile.mkdtemp(prefix="jaxaccum-compilations-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    assert "jax" not in sys.modules, "conftest must configure jax before its import"
+
+
+_share_compilations()
+
+# Kind of claim: the tests (node ids; a test function stands for all its
+# parameters) that prove it under each instruction set.
+CLAIMS: dict[str, tuple[str, ...]] = {
+    "value_and_grad: mean and sum losses, any N, against the big batch": (
+        "tests/test_grad.py::test_mlp_matches_full_batch",
+        "tests/test_grad.py::test_one_microbatch_is_exactly_jax_value_and_grad",
+        "tests/test_grad.py::test_flax_models_match_full_batch[attention-4]",
+    ),
+    "grad, aux reductions, several differentiated and batch arguments": (
+        "tests/test_grad.py::test_grad_only",
+        "tests/test_grad.py::test_aux_reductions",
+        "tests/test_grad.py::test_aux_last_and_integer_mean",
+        "tests/test_grad.py::test_several_argnums_and_batch_args_and_passthrough",
+    ),
+    "weighted (token-exact) reduction, padding, zero-weight windows": (
+        "tests/test_weighted.py::test_weighted_matches_full_batch_and_mean_of_means_does_not[4]",
+        "tests/test_weighted.py::test_zero_weight_window_gives_zero_finite_gradients",
+        "tests/test_weighted.py::test_padded_sum_reduction",
+        "tests/test_split.py::test_pad_with_prng_key_leaves_equals_the_full_batch",
+    ),
+    "masked windows: k active micro-batches equal k micro-batches": (
+        "tests/test_masked.py::test_k_active_equals_k_micro_batches[sum-weighted]",
+        "tests/test_masked.py::test_k_active_equals_k_micro_batches[last-mean]",
+    ),
+    "carried state (BatchNorm) equals sequential passes": (
+        "tests/test_grad.py::test_state_is_threaded_through_microbatches_in_order",
+        "tests/test_flax.py::test_linen_batchnorm_stats_equal_sequential_passes",
+        "tests/test_flax.py::test_nnx_batchnorm_stats_equal_sequential_passes",
+        "tests/test_equinox.py::test_batchnorm_state_equals_sequential_passes[4]",
+    ),
+    "dtypes: bfloat16 and float16 accumulate in float32, complex parameters": (
+        "tests/test_grad.py::test_bfloat16_params_float32_accumulator_is_closer_to_float64",
+        "tests/test_optimizer.py::test_low_precision_gradients_accumulate_in_float32",
+        "tests/test_optimizer.py::test_complex_gradients_keep_their_imaginary_parts",
+        "tests/test_noise_scale.py::test_complex_parameters_count_their_imaginary_parts",
+    ),
+    "float16 loss scale: the window against float32, overflow skips it": (
+        "tests/test_loss_scale.py::test_float16_window_matches_float32_big_batch",
+        "tests/test_loss_scale.py::test_overflowing_micro_batch_skips_the_whole_window_bitwise",
+        "tests/test_loss_scale.py::test_option_matrix_under_a_loss_scale_matches_full_batch[value_and_grad]",
+        "tests/test_loss_scale.py::test_option_matrix_under_a_loss_scale_matches_full_batch[flax_nnx]",
+    ),
+    "MultiSteps across calls: k calls are one big-batch step": (
+        "tests/test_optimizer.py::test_k_calls_match_one_call_on_mean_gradient",
+        "tests/test_optimizer.py::test_matches_optax_multisteps",
+        "tests/test_optimizer.py::test_weighted_windows_emit_token_weighted_mean",
+    ),
+    "Flax Linen and NNX front ends": (
+        "tests/test_flax.py::test_linen_groupnorm_cnn_matches_full_batch[4]",
+        "tests/test_flax.py::test_nnx_layernorm_mlp_matches_full_batch[4]",
+        "tests/test_flax.py::test_linen_train_step_with_aux_and_rngs",
+    ),
+    "Equinox front end, and a training trajectory": (
+        "tests/test_equinox.py::test_mean_loss_matches_eqx_filter_value_and_grad[4]",
+        "tests/test_equinox.py::test_weighted_loss_matches_the_full_batch_masked_mean[4]",
+        "tests/test_equinox.py::test_multisteps_with_the_equinox_pattern_equals_one_big_batch_step",
+    ),
+    "shard_value_and_grad: data parallel sums on 1 and 8 devices, 2 processes": (
+        "tests/test_distributed.py::test_one_device_mesh_equals_value_and_grad",
+        "tests/test_distributed.py::test_on_eight_devices[per_microbatch_mean_auto]",
+        "tests/test_distributed.py::test_on_eight_devices[deferred_weighted_explicit]",
+        "tests/test_distributed.py::test_on_eight_devices[deferred_noise_scale_weighted]",
+        "tests/test_distributed.py::test_two_processes_match_single_process_full_batch",
+    ),
+    "sharded parameters on 8 devices: FSDP, tensor parallel, bfloat16": (
+        "tests/test_sharded.py::test_sharded[fsdp_tp_explicit_window_window]",
+        "tests/test_sharded.py::test_sharded[fsdp_auto_microbatch_microbatch]",
+        "tests/test_sharded.py::test_sharded[frozen_explicit_data]",
+        "tests/test_sharded.py::test_sharded[bfloat16_fsdp_tp]",
+    ),
+    "pipeline: the sequential model's sums, float32 and float64, bfloat16": (
+        "tests/test_pipeline.py::test_mean_equals_the_sequential_model_on_the_whole_batch",
+        "tests/test_pipeline.py::test_bfloat16_gradients_keep_their_dtype_and_accumulate_in_float32",
+        "tests/test_pipeline.py::test_pipeline_on_8_devices[exact_stage4_data2_M7]",
+        "tests/test_pipeline.py::test_pipeline_on_8_devices[exact_stage2_fsdp4_M5_R3]",
+        "tests/test_pipeline.py::test_pipeline_on_8_devices[float64_stage4_data2_M8_R2]",
+        "tests/test_pipeline.py::test_pipeline_on_8_devices[weighted_aux_keys_any_schedule]",
+    ),
+    "noise scale: window statistics and their estimates": (
+        "tests/test_noise_scale.py::test_window_stats_equal_those_of_the_micro_batches_mean_gradients[weighted-True]",
+        "tests/test_noise_scale.py::test_window_stats_equal_those_of_the_micro_batches_mean_gradients[mean-False]",
+        "tests/test_noise_scale.py::test_estimates_average_to_the_population_truth[mean]",
+        "tests/test_noise_scale.py::test_multisteps_estimates_equal_the_in_step_ones",
+    ),
+    "growing the batch: the controllers' reads and decisions": (
+        "tests/test_growth.py::test_window_size_does_not_change_the_noise_scale_read",
+        "tests/test_growth.py::test_noise_controller_moves_to_the_size_of_least_predicted_time",
+        "tests/test_growth_properties.py::test_noise_scale_ema_is_the_per_example_average",
+    ),
+    "diagnose and the assertions: the causes they name, the leaves they report": (
+        "tests/test_diagnose.py::test_names_batchnorm[4]",
+        "tests/test_diagnose.py::test_names_unequal_weights_and_points_to_weighted",
+        "tests/test_diagnose.py::test_names_sum_where_a_mean_was_expected",
+        "tests/test_diagnose.py::test_layernorm_model_matches",
+        "tests/test_testing.py::test_passes_on_a_correct_mean_loss",
+        "tests/test_testing.py::test_failure_names_leaf_error_and_n",
+    ),
+    "the derived tolerances catch wrong answers": (
+        "tests/test_fuzz.py::test_tolerance_catches_wrong_answers",
+        "tests/test_option_matrix.py::test_tolerance_catches_wrong_answers",
+    ),
+    "bitwise: the same step twice, a window resumed mid-way": (
+        "tests/test_reliability.py::test_same_step_twice_gives_bitwise_identical_gradients[mean]",
+        "tests/test_reliability.py::test_multisteps_resumed_mid_window_is_bitwise_identical[adam-float32-4]",
+        "tests/test_reliability.py::test_in_step_reports_which_micro_batch_is_non_finite",
+    ),
+    "the docstrings' examples (every public entry point)": ("jaxaccum/",),
+    "the documentation's examples (pages whose claims no kind above holds)": tuple(
+        f"tests/test_docs.py::test_page_examples_run[{page}]"
+        for page in (
+            "README.md",
+            "docs/index.md",
+            "docs/getting-started.md",
+            "docs/guides/in-step.md",
+            "docs/guides/masked-losses.md",
+            "docs/guides/multisteps.md",
+            "docs/guides/mixed-precision.md",
+            "docs/guides/resuming.md",
+            "docs/guides/noise-scale.md",
+            "docs/guides/growing-the-batch.md",
+            "docs/guides/pitfalls.md",
+        )
+    ),
+}
+
+
+def matches(nodeid: str, pattern: str) -> bool:
+    """Whether a test's node id is the pattern's test (any of its parameters)."""
+    if pattern.endswith("/"):
+        return nodeid.startswith(pattern)
+    return nodeid == pattern or nodeid.startswith(pattern + "[")
+
+
+def claim_of(nodeid: str) -> str | None:
+    """The kind of claim a test proves under every instruction set, if any."""
+    for kind, patterns in CLAIMS.items():
+        if any(matches(nodeid, pattern) for pattern in patterns):
+            return kind
+    return None
+
+
+# The test files that take longest (``pytest --durations``, a minute or more
+# each, most of it in a subprocess), in that order, start first: each process
+# of the run (pytest-xdist, a file to a process) then takes the next file when
+# it is free, and neither is left running a long file at the end alone.
+LONGEST_FIRST = (
+    "tests/test_notebooks.py",
+    "tests/test_pipeline.py",
+    "tests/test_sharded.py",
+    "tests/test_option_matrix.py",
+    "tests/test_grad.py",
+    "tests/test_docs.py",
+    "tests/test_cli.py",
+    "tests/test_weighted.py",
 )
 
 
-@functools.cache
-def _checks_only_errors(function) -> bool:
-    """Whether a test function's body expects an error and compares nothing."""
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return False
-    tree = ast.parse(inspect.cleandoc("\n" + source))
-    body = tree.body[0]
-    if isinstance(body, ast.FunctionDef) and ast.get_docstring(body):
-        body.body = body.body[1:]  # the docstring's words are not code
-    code = ast.unparse(body)
-    return bool(EXPECTS_AN_ERROR.search(code)) and not COMPARES_VALUES.search(code)
+def _start_rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::")[0]
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        function = getattr(item, "function", None)
-        error_only = function is not None and _checks_only_errors(function)
-        if item.path.name not in NOT_NUMERICS and not error_only:
+        if claim_of(item.nodeid) is not None:
             item.add_marker(pytest.mark.numerics)
-        if item.path.name in SLOW or item.nodeid.split("[")[0].endswith(
-            tuple(f"/{name}" for name in SLOW)
-        ):
-            item.add_marker(pytest.mark.slow)
+    items.sort(key=_start_rank)  # stable: each file keeps its own order

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from check_scripts import TESTS, device_env, run_script
+from check_scripts import TESTS, device_env, run_script, selected_checks
 from distributed_checks import CHECKS
 from models import classification_batch, mlp_loss, mlp_loss_with_aux, mlp_params
 from tolerances import ATOL, RTOL
@@ -27,9 +27,12 @@ import jaxaccum
 
 
 @pytest.fixture(scope="module")
-def eight_devices() -> dict:
-    """Runs every 8-device check in one subprocess; returns their results."""
-    return run_script("distributed_checks.py", num_devices=8, timeout=300)
+def eight_devices(request) -> dict:
+    """Runs the session's 8-device checks in one subprocess; their results."""
+    checks = selected_checks(request)
+    return run_script(
+        "distributed_checks.py", num_devices=8, timeout=300, checks=checks
+    )
 
 
 @pytest.mark.parametrize("check", CHECKS)

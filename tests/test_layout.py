@@ -363,3 +363,31 @@ def test_microbatches_are_named_in_the_compiled_program():
     step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 4))
     hlo = step.lower(jnp.ones(3), jnp.ones((8, 3))).compile().as_text()
     assert "jaxaccum_microbatch" in hlo  # profiler traces name the micro-batches
+
+
+def test_every_claim_the_reruns_prove_names_tests_that_exist():
+    """tests/conftest.py's CLAIMS (what CI reruns under each instruction set)
+    names test functions that exist; .ci/collected.py checks each parameter
+    against the collected suite."""
+    from conftest import CLAIMS, LONGEST_FIRST
+
+    root = pathlib.Path(__file__).parent.parent
+    missing = []
+    for kind, patterns in CLAIMS.items():
+        assert patterns, f"{kind!r} names no test"
+        for pattern in patterns:
+            if pattern.endswith("/"):
+                found = (root / pattern).is_dir()
+            else:
+                path, name = pattern.split("[")[0].split("::")
+                defined = {
+                    node.name
+                    for node in ast.walk(ast.parse((root / path).read_text()))
+                    if isinstance(node, ast.FunctionDef)
+                }
+                found = name in defined
+            if not found:
+                missing.append(pattern)
+    assert not missing, f"CLAIMS name tests that do not exist: {missing}"
+    absent = [path for path in LONGEST_FIRST if not (root / path).is_file()]
+    assert not absent, f"LONGEST_FIRST names files that do not exist: {absent}"

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from check_scripts import run_script
+from check_scripts import run_script, selected_checks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
@@ -33,8 +33,9 @@ from jaxaccum._pipeline import Schedule, pipeline_value_and_grad
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return run_script("pipeline_checks.py", num_devices=8, timeout=600)
+def results(request) -> dict:
+    checks = selected_checks(request)
+    return run_script("pipeline_checks.py", num_devices=8, timeout=600, checks=checks)
 
 
 @pytest.mark.parametrize("check", CHECKS)

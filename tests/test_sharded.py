@@ -11,13 +11,14 @@ bfloat16's 8 significant bits; see ``check_bfloat16_grads``).
 """
 
 import pytest
-from check_scripts import run_script
+from check_scripts import run_script, selected_checks
 from sharded_checks import CHECKS
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return run_script("sharded_checks.py", num_devices=8, timeout=900)
+def results(request) -> dict:
+    checks = selected_checks(request)
+    return run_script("sharded_checks.py", num_devices=8, timeout=900, checks=checks)
 
 
 @pytest.mark.parametrize("check", CHECKS)
