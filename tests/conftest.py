@@ -35,10 +35,18 @@ def _share_compilations() -> None:
         return  # set by the user, or by the pytest process that started this one
     directory = tempfile.mkdtemp(prefix="jaxaccum-compilations-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    assert "jax" not in sys.modules, "conftest must configure jax before its import"
+    settings = {
+        "jax_compilation_cache_dir": directory,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    for name, value in settings.items():  # inherited by every subprocess
+        os.environ[name.upper()] = str(value)
+    if "jax" in sys.modules:  # a plugin imported it first: it read no variable
+        import jax
+
+        for name, value in settings.items():
+            jax.config.update(name, value)
 
 
 _share_compilations()
