@@ -41,6 +41,8 @@ class ShardPlan(NamedTuple):
       gather_dtype: dtype to gather in (None: the parameter's own).
       accum_dtype: dtype gradients are reduced in (at least; None: their own).
       step: the micro-batch loop's index (inside the loop), or a constant.
+      metadata: FP8 metadata (``jaxaccum._metadata``): maxed over the data
+        axes once per window, not summed.
     """
 
     data_axes: tuple[str, ...]
@@ -51,6 +53,7 @@ class ShardPlan(NamedTuple):
     gather_dtype: Any
     accum_dtype: Any
     step: Any
+    metadata: tuple[bool, ...]
 
     def map_leaves(self, fun: Any, tree: Any) -> Any:
         """``fun(index, leaf)`` over the leaves of ``tree`` (the diff args'
@@ -133,6 +136,8 @@ class ShardPlan(NamedTuple):
         its parameter if that is sharded over them), in the accumulation dtype:
         a bfloat16 gradient is cast up before the collective, not after, so
         the cross-device sum does not round to 8 bits at each step."""
+        if self.metadata[index]:
+            return lax.pmax(grad, self.data_axes)
         if self.accum_dtype is not None:
             grad = grad.astype(jnp.promote_types(grad.dtype, self.accum_dtype))
         dim = self.dims[index]
@@ -184,8 +189,14 @@ class ShardPlan(NamedTuple):
         return total
 
 
-def shard_plan(options: AccumOptions, step: Any = None) -> ShardPlan | None:
+def shard_plan(
+    options: AccumOptions, step: Any = None, metadata: tuple[bool, ...] | None = None
+) -> ShardPlan | None:
     """The plan of ``options`` (None unless the window runs per device).
+
+    ``metadata`` flags the gradient leaves that are FP8 metadata (none if not
+    given); they are reduced once per window, by max, and must be replicated
+    over the data axes.
 
     ``"auto"`` resolves per leaf: a parameter sharded over the data axes is
     gathered per micro-batch and its gradient reduce-scattered per micro-batch
@@ -215,6 +226,17 @@ def shard_plan(options: AccumOptions, step: Any = None) -> ShardPlan | None:
                 )
             )
         )
+    metadata = metadata or (False,) * len(dims)
+    for index, (dim, meta) in enumerate(zip(dims, metadata, strict=True)):
+        if meta and dim is not None:
+            raise ValueError(
+                f"FP8 metadata (differentiated leaf {index}, an amax history or "
+                f"scale) is sharded over the data axes {data_axes} (dimension "
+                f"{dim}): each device's window updates all of it, and the "
+                "updates are maxed over the devices. Replicate it over the data "
+                "axes (PartitionSpec() for the _overwrite_with_gradient "
+                "collection)."
+            )
     gather_window = options.param_gather == "window"
     return ShardPlan(
         data_axes=data_axes,
@@ -222,11 +244,13 @@ def shard_plan(options: AccumOptions, step: Any = None) -> ShardPlan | None:
         model_specs=tuple(model_specs),
         gather_in_window=tuple(gather_window for _ in dims),
         reduce_in_window=tuple(
-            options.grad_reduce == "window"
+            meta
+            or options.grad_reduce == "window"
             or (options.grad_reduce == "auto" and dim is None)
-            for dim in dims
+            for dim, meta in zip(dims, metadata, strict=True)
         ),
         gather_dtype=options.gather_dtype,
         accum_dtype=options.accum_dtype,
         step=jnp.zeros((), jnp.int32) if step is None else step,
+        metadata=tuple(metadata),
     )

@@ -32,6 +32,7 @@ from jaxaccum._window import (
     MicroResult,
     Window,
     WindowOut,
+    microbatch_share,
     zeros_like_aval,
 )
 
@@ -49,7 +50,11 @@ def value_and_grad(
     Forward + backward runs on ``N`` strided micro-batches (example ``i`` in
     micro-batch ``i mod N``), one at a time in one ``jax.lax.scan`` traced once
     whatever ``N``; the result equals ``jax.value_and_grad(fun)`` on the whole
-    batch. Guide: [In-step accumulation](../guides/in-step.md).
+    batch. Each micro-batch is differentiated at its share of the window, so
+    its cotangents are the big batch's; FP8 metadata (Flax's
+    ``_overwrite_with_gradient`` collection) comes back as the window's max.
+    Guides: [In-step accumulation](../guides/in-step.md), [mixed
+    precision](../guides/mixed-precision.md).
 
     Args:
       fun: the loss, ``fun(*args, **kwargs)``: a scalar (``(loss, aux)`` with
@@ -380,6 +385,11 @@ def _weighted_pair(loss: Any) -> tuple[Any, Any]:
             "micro-batch's losses and weight counts (or sums the weights of) "
             f"what was summed; got {type(loss).__name__}."
         )
+    if jnp.shape(loss[1]) != ():
+        raise TypeError(
+            "With reduction='weighted', the weight fun returns must be a "
+            f"scalar, got shape {jnp.shape(loss[1])}."
+        )
     return loss[0], loss[1]
 
 
@@ -392,10 +402,12 @@ def _micro_value_and_grad(
 ) -> Callable[..., MicroResult]:
     """The value and gradient of one micro-batch, as a :class:`MicroResult`.
 
-    Called as ``micro(diff, batch, keys, state, example_mask)``, each a tuple of
-    that role's arguments; the other arguments of ``fun`` are closed over.
-    With ``loss_scale``, the loss is scaled before it is differentiated: the
-    gradients come out scaled, the value as ``fun`` returned it.
+    Called as ``micro(diff, batch, keys, state, example_mask, num_means)``,
+    the first five each a tuple of that role's arguments, ``num_means`` the
+    window's micro-batches over every device; the other arguments of ``fun``
+    are closed over. The loss is differentiated at its share of the window
+    (:func:`microbatch_share`) and, with ``loss_scale``, scaled by it: the
+    gradients come out so, the value as ``fun`` returned it.
     """
     roles = (
         options.diff_nums,
@@ -404,8 +416,8 @@ def _micro_value_and_grad(
         options.state_nums,
     )
 
-    def micro_loss(*role_vals_and_mask):
-        *role_vals, example_mask = role_vals_and_mask
+    def micro_loss(*role_vals_mask_and_count):
+        *role_vals, example_mask, num_means = role_vals_mask_and_count
         call_args = list(args)
         for nums, vals in zip(roles, role_vals, strict=True):
             for i, val in zip(nums, vals, strict=True):
@@ -421,21 +433,30 @@ def _micro_value_and_grad(
         weight = ()
         if options.reduction == "weighted":
             loss, weight = _weighted_pair(loss)
-        differentiated = loss if loss_scale is None else scale_loss(loss, loss_scale)
-        return differentiated, (loss, MicroOut(weight, aux, tuple(new_state)))
+        if not hasattr(loss, "dtype") and not isinstance(loss, float | int):
+            raise TypeError(
+                "fun must return a scalar loss (a pair (loss, aux) with "
+                "has_aux=True; (loss_sum, weight) with reduction='weighted'); "
+                f"got a {type(loss).__name__}."
+            )
+        share = microbatch_share(options, num_means, weight)
+        differentiated = loss * share.astype(jnp.result_type(loss))
+        if loss_scale is not None:
+            differentiated = scale_loss(differentiated, loss_scale)
+        return differentiated, (loss, share, MicroOut(weight, aux, tuple(new_state)))
 
     if options.remat:
         policy = None if isinstance(options.remat, bool) else options.remat
         micro_loss = jax.checkpoint(micro_loss, policy=policy)
     value_and_grad_fun = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def micro(diff, batch, keys, state, example_mask) -> MicroResult:
+    def micro(diff, batch, keys, state, example_mask, num_means) -> MicroResult:
         # Named so that a profiler trace shows where a window's time goes.
         with jax.named_scope("jaxaccum_microbatch"):
-            (_, (value, out)), grads = value_and_grad_fun(
-                diff, batch, keys, state, example_mask
+            (_, (value, share, out)), grads = value_and_grad_fun(
+                diff, batch, keys, state, example_mask, num_means
             )
-        return MicroResult(value, out, grads)
+        return MicroResult(value, out, grads, share)
 
     return micro
 
@@ -517,6 +538,7 @@ def _single(
         inputs.keys,
         inputs.state,
         inputs.example_mask,
+        _num_means(options, 1),
     )
     window = _window(jax.eval_shape(lambda: result), inputs, options, split)
     sums, stacked = window.add(window.zeros(), result)
@@ -545,10 +567,12 @@ def _scan(
     def mask_at(index):
         return None if mask_view is None else _split.take_microbatch(mask_view, index)
 
+    num_means = _num_means(options, num if inputs.active is None else inputs.active)
+
     def micro_at(index, micro_keys, state, mask):
         micro_batch = batch.microbatch(index)
         diff = _gathered(inputs.diff, options, index)
-        return micro(diff, micro_batch, micro_keys, state, mask)
+        return micro(diff, micro_batch, micro_keys, state, mask, num_means)
 
     first_keys = jax.tree.map(lambda k: k[0], keys)
     first = jnp.zeros((), jnp.int32)
@@ -574,6 +598,13 @@ def _scan(
     )
     result = window.result(sums, stacked, num_active=inputs.active)
     return WindowOut(result, state, micro_stats)
+
+
+def _num_means(options: AccumOptions, num_microbatches: Any) -> Any:
+    """The window's micro-batches over every device (a mean divides by it)."""
+    if options.data_axes:
+        return num_microbatches * lax.axis_size(options.data_axes)
+    return num_microbatches
 
 
 def _skip_inactive(

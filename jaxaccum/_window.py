@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxaccum import _metadata
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._loss_scale import tree_finite, unscale
 from jaxaccum._noise_scale import MicroStats, squared_norm
@@ -36,11 +37,43 @@ class MicroOut(NamedTuple):
 
 
 class MicroResult(NamedTuple):
-    """One micro-batch's loss, its other outputs and its gradients."""
+    """One micro-batch's loss, its other outputs and its gradients.
+
+    Attributes:
+      value: the loss as ``fun`` returned it (a loss sum where weighted).
+      out: its other outputs.
+      grads: the gradient of the loss at its share of the window (see
+        :func:`microbatch_share`), FP8 metadata leaves their new values.
+      share: the share (a float32 scalar): ``grads`` is the loss's gradient
+        times ``share``.
+    """
 
     value: Any
     out: MicroOut
     grads: Any
+    share: Any
+
+
+def microbatch_share(options: AccumOptions, num_means: Any, weight: Any) -> Any:
+    """What one micro-batch's loss is multiplied by before its backward pass,
+    so that every cotangent in it is the big batch's for the same examples
+    (low-precision formats, FP8's amax histories, see the big batch's ranges).
+
+    ``num_means`` counts the window's micro-batches over every device (those
+    computed, for ``masked``). Mean: ``1 / num_means``; sum: 1. Weighted: the
+    share ``w_k / W`` is known only once every forward pass has run, so the
+    loss sum is divided by ``num_means w_k``, the window's total if the
+    micro-batches held equal weight (the big batch's cotangents exactly then,
+    within the micro-batches' imbalance otherwise); zero weight, zero share.
+    """
+    if options.reduction == "sum":
+        return jnp.float32(1)
+    share = 1 / jnp.asarray(num_means, jnp.float32)
+    if options.reduction == "mean":
+        return share
+    weight = jnp.asarray(weight, jnp.float32)
+    safe = jnp.where(weight > 0, weight, 1)
+    return lax.stop_gradient(jnp.where(weight > 0, share / safe, 0))
 
 
 class FiniteReport(NamedTuple):
@@ -225,18 +258,14 @@ class Window:
         self.options = options
         self.split = split
         self.loss_scale = loss_scale
-        self.shards = shard_plan(options)
+        self.metadata = _metadata.metadata_flags(result_shape.grads)
+        self.shards = shard_plan(options, metadata=self.metadata)
         self.aux_plan = AuxPlan(
             options.aux_reduction if options.has_aux else "mean",
             result_shape.out.aux,
             options.accum_dtype,
         )
         self.aux_plan.check_concat(split.microbatch_size)
-        if options.reduction == "weighted" and jnp.shape(self.weight_shape) != ():
-            raise TypeError(
-                "With reduction='weighted', the weight fun returns must be a "
-                f"scalar, got shape {jnp.shape(self.weight_shape)}."
-            )
         per_device = set(PER_MICROBATCH_AUX) & set(self.aux_plan.reductions)
         if options.data_axes and per_device:
             raise ValueError(
@@ -253,6 +282,17 @@ class Window:
             dtype = self.options.accum_dtype or jnp.float32
         return zeros_like_aval(aval, dtype)
 
+    def _grad_zeros(self, index: int, aval: Any) -> jax.Array:
+        if self.metadata[index]:  # maxed: its identity, -inf
+            return _metadata.lowest(aval)
+        return self._zeros(aval)
+
+    def _map_grads(self, fun: Any, *trees: Any) -> Any:
+        """``fun(index, *leaves)`` over gradient-shaped trees."""
+        flat = [jax.tree.leaves(tree) for tree in trees]
+        out = [fun(i, *leaves) for i, leaves in enumerate(zip(*flat, strict=True))]
+        return jax.tree.unflatten(jax.tree.structure(self.grads_shape), out)
+
     def zeros(self) -> Sums:
         sums = Sums(
             self._zeros(self.value_shape),
@@ -261,7 +301,9 @@ class Window:
             self.aux_plan.init(),
         )
         if self.shards is None:
-            return sums._replace(grads=jax.tree.map(self._zeros, self.grads_shape))
+            return sums._replace(
+                grads=self._map_grads(self._grad_zeros, self.grads_shape)
+            )
         # Per-device sums differ between devices: the carry is varying, except
         # gradients all-reduced per micro-batch, whose sums are the same on all.
         axes, shards = self.options.data_axes, self.shards
@@ -269,7 +311,7 @@ class Window:
 
         def grad_zeros(index: int, aval: Any) -> jax.Array:
             shape, varying = shards.accumulator(index, aval)
-            zeros = self._zeros(aval.update(shape=shape))
+            zeros = self._grad_zeros(index, aval.update(shape=shape))
             return lax.pcast(zeros, axes, to="varying") if varying else zeros
 
         return sums._replace(grads=shards.map_leaves(grad_zeros, self.grads_shape))
@@ -280,6 +322,19 @@ class Window:
         def add(total, x):
             return total + jnp.asarray(x).astype(total.dtype)
 
+        # A weighted micro-batch was differentiated at its estimated share:
+        # its loss sum's gradient is summed, the total weight divides once.
+        unshare = None
+        if self.options.reduction == "weighted":
+            positive = result.share > 0
+            unshare = jnp.where(positive, 1 / jnp.where(positive, result.share, 1), 0)
+
+        def add_grad(index, total, grad):
+            if self.metadata[index]:
+                return jnp.maximum(total, _metadata.physical(grad))
+            grad = jnp.asarray(grad).astype(total.dtype)
+            return total + (grad if unshare is None else grad * unshare)
+
         aux_carry, stacked = self.aux_plan.update(sums.aux, result.out.aux)
         grads = result.grads
         if self.shards is not None:
@@ -287,9 +342,18 @@ class Window:
         return Sums(
             add(sums.value, result.value),
             jax.tree.map(add, sums.weight, result.out.weight),
-            jax.tree.map(add, sums.grads, grads),
+            self._map_grads(add_grad, sums.grads, grads),
             aux_carry,
         ), stacked
+
+    def gradient_leaves(self, grads: Any) -> list:
+        """The leaves of a gradient-shaped tree that are gradients (not FP8
+        metadata): what squared norms and the loss scale's unscaling see."""
+        return [
+            leaf
+            for leaf, meta in zip(jax.tree.leaves(grads), self.metadata, strict=True)
+            if not meta
+        ]
 
     def micro_stats(
         self, result: MicroResult, example_mask: jax.Array | None
@@ -305,9 +369,12 @@ class Window:
             weight = jnp.sum(example_mask, dtype=jnp.float32)
         else:
             weight = jnp.float32(self.split.microbatch_size)
-        sq_norm = squared_norm(result.grads)
+        # Of the loss's own gradient: the share and the loss scale divided out.
+        scale = result.share
         if self.loss_scale is not None:
-            sq_norm = sq_norm / jnp.square(self.loss_scale)
+            scale = scale * self.loss_scale
+        sq_norm = squared_norm(self.gradient_leaves(result.grads))
+        sq_norm = jnp.where(scale > 0, sq_norm / jnp.square(scale), 0)
         return MicroStats(finite, sq_norm, weight)
 
     def _sum_sq_norm(self, grad_sums: Any) -> jax.Array | None:
@@ -317,7 +384,7 @@ class Window:
         if not self.options.report_stats:
             return None
         if self.shards is None:
-            return squared_norm(grad_sums)
+            return squared_norm(self.gradient_leaves(grad_sums))
         return self.shards.squared_norm(grad_sums)  # shards summed over devices
 
     def result(
@@ -340,6 +407,7 @@ class Window:
             grads = self.shards.reduce(sums.grads, in_window=True)
             sums = Sums(value, weight, grads, aux)
             num_means *= lax.axis_size(data_axes)
+        metadata, sums = self._split_metadata(sums)
         finite = None
         if self.loss_scale is not None:
             grads = jax.tree.map(
@@ -350,22 +418,45 @@ class Window:
             sums = sums._replace(grads=grads)
             finite = self._finite(sums)
         grad_sq_norm = self._sum_sq_norm(sums.grads)
-        totals = (sums.value, sums.grads)
+        value, grads = sums.value, sums.grads  # mean: each at its share already
+        if grad_sq_norm is not None and self.options.reduction == "mean":
+            grad_sq_norm = grad_sq_norm * jnp.square(jnp.float32(num_means))
         if self.options.reduction == "weighted":
-            value, grads = divide_by_total_weight(totals, sums.weight)
+            value, grads = divide_by_total_weight((value, grads), sums.weight)
         elif self.options.reduction == "mean":
-            value, grads = jax.tree.map(lambda total: total / num_means, totals)
-        else:
-            value, grads = totals
+            value = value / num_means
         value, grads = jax.tree.map(
             lambda x, aval: x.astype(aval.dtype),
             (value, grads),
             (self.value_shape, self.grads_shape),
         )
+        grads = jax.tree.unflatten(
+            jax.tree.structure(grads),
+            [
+                grad if meta is None else meta
+                for grad, meta in zip(jax.tree.leaves(grads), metadata, strict=True)
+            ],
+        )
         aux = self.aux_plan.finalize(
             sums.aux, stacked, num_means, self.split.batch_size
         )
         return WindowResult(value, aux, grads, grad_sq_norm, finite)
+
+    def _split_metadata(self, sums: Sums) -> tuple[list, Sums]:
+        """The FP8 metadata leaves' maxima, in their dtypes (None for the
+        gradients), and the sums with zeros in their place."""
+        leaves = jax.tree.leaves(sums.grads)
+        avals = jax.tree.leaves(self.grads_shape)
+        metadata = [
+            _metadata.as_dtype(leaf, aval.dtype) if meta else None
+            for leaf, aval, meta in zip(leaves, avals, self.metadata, strict=True)
+        ]
+        grads = [
+            jnp.zeros_like(leaf) if meta else leaf
+            for leaf, meta in zip(leaves, self.metadata, strict=True)
+        ]
+        treedef = jax.tree.structure(sums.grads)
+        return metadata, sums._replace(grads=jax.tree.unflatten(treedef, grads))
 
     def _finite(self, sums: Sums) -> jax.Array:
         """Whether the window's sums (reduced over devices) are all finite,

@@ -42,6 +42,7 @@ CHECKS = [
     "deferred_pad_weighted",
     "deferred_noise_scale_mean",
     "deferred_noise_scale_weighted",
+    "fp8_metadata_maxed_over_devices",
 ]
 
 
@@ -299,7 +300,27 @@ def check_deferred_noise_scale(reduction):
     return f"unbiased over {stats.big_batch.shape[0]} windows"
 
 
+def check_fp8_metadata():
+    """FP8 metadata (tests/test_fp8.py's model) on 8 devices: each device's
+    window maxes its micro-batches', the devices' are maxed once, and the
+    result is the big batch's (input and kernel histories bitwise)."""
+    from test_fp8 import OPS, batch_of, check_step, make_state
+
+    state, loss = make_state(OPS["direct"])
+    mesh = make_mesh("explicit")
+    batch = batch_of(jax.random.key(1))
+    expected = jax.jit(jax.value_and_grad(loss))(state.params, batch)
+    step = jax.jit(jaxaccum.shard_value_and_grad(loss, NUM_MICROBATCHES, mesh=mesh))
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        actual = step(state.params, sharded)
+    check_step(actual, expected, 0)
+    return "metadata and gradients equal the big batch's"
+
+
 def run(name):
+    if name == "fp8_metadata_maxed_over_devices":
+        return check_fp8_metadata()
     if name.startswith("deferred_noise_scale_"):
         return check_deferred_noise_scale(name.rsplit("_", 1)[1])
     if name == "model_sharded_params_auto":
