@@ -48,7 +48,7 @@ def collect() -> tuple[dict[str, int], dict[str, int]]:
         code = pytest.main(args, plugins=[collector])
     if code != 0:
         sys.exit(f"{output.getvalue()[-4000:]}\ncollection failed (pytest exit {code})")
-    from conftest import CLAIMS, matches  # tests/ is on the path now
+    from conftest import CLAIMS, claim_of, matches  # tests/ is on the path now
 
     nodeids = [item.nodeid for item in collector.items]
     unmatched = [
@@ -65,10 +65,7 @@ def collect() -> tuple[dict[str, int], dict[str, int]]:
     phases = {"tests": len(collector.items), "isa": len(numerics)}
     claims = {kind: 0 for kind in CLAIMS}
     for item in numerics:
-        kind = next(
-            k for k, p in CLAIMS.items() if any(matches(item.nodeid, x) for x in p)
-        )
-        claims[kind] += 1
+        claims[claim_of(item.nodeid)] += 1
     return phases, claims
 
 

@@ -348,7 +348,7 @@ class Window:
 
     def gradient_leaves(self, grads: Any) -> list:
         """The leaves of a gradient-shaped tree that are gradients (not FP8
-        metadata): what squared norms and the loss scale's unscaling see."""
+        metadata): what a micro-batch's squared norm sees."""
         return [
             leaf
             for leaf, meta in zip(jax.tree.leaves(grads), self.metadata, strict=True)
@@ -379,12 +379,12 @@ class Window:
 
     def _sum_sq_norm(self, grad_sums: Any) -> jax.Array | None:
         """For ``report_stats``, the float32 squared norm of the window's
-        gradient sum (reduced over devices), left for ``window_stats`` to
-        normalise as it does the micro-batches' norms."""
+        gradient sum (reduced over devices, FP8 metadata already zeros), left
+        for ``window_stats`` to normalise as it does the micro-batches' norms."""
         if not self.options.report_stats:
             return None
         if self.shards is None:
-            return squared_norm(self.gradient_leaves(grad_sums))
+            return squared_norm(grad_sums)
         return self.shards.squared_norm(grad_sums)  # shards summed over devices
 
     def result(
