@@ -5,6 +5,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxaccum import _metadata
 from jaxaccum._options import AccumOptions
 from jaxaccum._value_and_grad import make_accumulated
 
@@ -43,6 +44,24 @@ def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
         scale = max(float(np.abs(b).max(initial=0.0)), float(np.finfo(np.float32).tiny))
         errors.append((jax.tree_util.keystr(path), abs_err, abs_err / scale))
     return errors
+
+
+def metadata_paths(tree: Any) -> frozenset[str]:
+    """The ``keystr`` paths of the FP8 metadata leaves of ``tree``."""
+    return frozenset(
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if _metadata.is_metadata(path, leaf)
+    )
+
+
+def gradient_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` that are gradients (FP8 metadata left out)."""
+    return [
+        leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if not _metadata.is_metadata(path, leaf)
+    ]
 
 
 def value_and_grads(fun: Any, args: tuple, options: AccumOptions) -> tuple:

@@ -27,6 +27,9 @@ _UNEQUAL = 1e-2
 # How close the gradient scale must be to N or 1 / N to be named as such.
 _SCALE_MATCH = 1e-2
 _MAX_LEAVES_SHOWN = 20
+_MAX_LEGEND = (
+    "  (max): FP8 metadata, the max over the micro-batches, compared as a value"
+)
 
 
 class LeafError(NamedTuple):
@@ -41,18 +44,25 @@ class LeafError(NamedTuple):
         and the full-batch leaf.
       max_rel_error: ``max_abs_error`` divided by the full-batch leaf's largest
         absolute value.
+      rule: how the window combines the leaf: ``"gradient"`` (by the
+        reduction) or ``"max"`` (FP8 metadata, whose window value is the max
+        of its micro-batches', compared as a value).
     """
 
     path: str
     max_abs_error: float
     max_rel_error: float
+    rule: str = "gradient"
 
 
 class Cause(NamedTuple):
     """A reason the accumulated result differs from the full batch.
 
     Attributes:
-      kind: ``"loss_scale"`` (the gradient is a multiple of the full-batch one,
+      kind: ``"metadata"`` (the gradients match, FP8 metadata does not: a
+        leaf of the ``_overwrite_with_gradient`` collection whose window value
+        is not the max of its micro-batches'), ``"loss_scale"`` (the gradient
+        is a multiple of the full-batch one,
         e.g. ``N`` or ``1 / N``: a sum where a mean was expected, or the
         reverse), ``"unequal_weights"`` (the full batch weighs micro-batches
         unequally: use ``reduction="weighted"``), ``"batch_dependent"`` (an
@@ -77,7 +87,8 @@ class Diagnosis:
       relative_error:
         :math:`\lVert a - f \rVert / \lVert f \rVert` (:math:`a` accumulated,
         :math:`f` full batch)
-        over all gradient leaves together (Euclidean norms).
+        over all gradient leaves together (Euclidean norms; FP8 metadata, not
+        a gradient, left out of this and of the causes' analysis).
       leaf_errors: per leaf of ``{"value": ..., "grads": ...}``, its path and
         largest absolute and relative error.
       causes: the causes found (empty when it matches).
@@ -117,11 +128,13 @@ class Diagnosis:
         lines.append(f"  {'leaf':<{width}}  max abs error  max rel error")
         lines += [
             f"  {error.path:<{width}}  {error.max_abs_error:13.3g}  "
-            f"{error.max_rel_error:13.3g}"
+            f"{error.max_rel_error:13.3g}" + ("  (max)" if error.rule == "max" else "")
             for error in worst[:_MAX_LEAVES_SHOWN]
         ]
         if len(worst) > _MAX_LEAVES_SHOWN:
             lines.append(f"  ... and {len(worst) - _MAX_LEAVES_SHOWN} more leaves")
+        if any(error.rule == "max" for error in worst):
+            lines.append(_MAX_LEGEND)
         for cause in self.causes:
             lines.append(
                 textwrap.fill(
@@ -193,8 +206,9 @@ def diagnose(
         refused={**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE},
     )
     accumulated, reference = _compare.accumulated_and_reference(fun, args, options)
+    metadata = _compare.metadata_paths({"grads": reference[1]})
     errors = tuple(
-        LeafError(*error)
+        LeafError(*error, rule="max" if error[0] in metadata else "gradient")
         for error in _compare.leaf_errors(
             {"value": accumulated[0], "grads": accumulated[1]},
             {"value": reference[0], "grads": reference[1]},
@@ -208,6 +222,8 @@ def diagnose(
     report = _reporter(num, relative_error, errors, rtol, atol)
     if _close(accumulated, reference, rtol, atol):
         return report(matches=True, causes=())
+    if metadata and error <= atol + rtol * float(np.linalg.norm(reference_grads)):
+        return report(matches=False, causes=(_metadata_cause(errors),))
 
     if options.key_nums:
         change = _key_sensitivity(fun, args, reference, options)
@@ -283,7 +299,9 @@ def _close(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
 
 
 def _flat(tree: Any) -> np.ndarray:
-    return np.asarray(ravel_pytree(tree)[0], np.float64)
+    """The gradient leaves of ``tree`` in one float64 vector (FP8 metadata,
+    not a gradient, left out)."""
+    return np.asarray(ravel_pytree(_compare.gradient_leaves(tree))[0], np.float64)
 
 
 def _least_squares_scale(actual: np.ndarray, reference: np.ndarray) -> float:
@@ -416,6 +434,24 @@ def _interaction(
     # Only the examples that were not moved: their gradients must not change.
     return _relative_change(
         [leaf[:-1] for leaf in after], [leaf[:-1] for leaf in before]
+    )
+
+
+def _metadata_cause(errors: tuple[LeafError, ...]) -> Cause:
+    worst = max(
+        (error for error in errors if error.rule == "max"),
+        key=lambda error: error.max_rel_error,
+    )
+    return Cause(
+        "metadata",
+        f"The gradients match, but FP8 metadata does not: {worst.path} is "
+        f"{worst.max_rel_error:.3g} of its full-batch value away. The window "
+        "combines the _overwrite_with_gradient collection by max over its "
+        "micro-batches, which gives the full batch's value for amax "
+        "histories and the scales computed from the window-start ones; a "
+        "leaf there whose new value is not a max (a mean, a count, a scale "
+        "from this batch's amax) differs. Keep only such maxima there, or "
+        "compute the rest from them after the window.",
     )
 
 

@@ -17,6 +17,10 @@ methods and state field names). It differs in cost and exactness:
   measured. One compiled step serves windows of every length.
 - An optional float16 loss scale (``loss_scale=``) is held for the window:
   an overflow in any call skips the whole window and backs the scale off.
+- FP8 metadata (``update(..., metadata=)``) is maxed over the window's calls
+  and held: :meth:`MultiSteps.metadata` gives the window-start values mid-window
+  and the window's new values once, at its end (``jaxaccum.flax.TrainState``
+  wires it into ``apply_gradients``).
 """
 
 from collections.abc import Callable
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum import _loss_scale, _window_noise
+from jaxaccum import _loss_scale, _metadata, _window_noise
 from jaxaccum._loss_scale import DynamicLossScale, WindowLossScale
 from jaxaccum._noise_scale import NoiseEstimates, WindowStats
 from jaxaccum._options import check_scalar, static_scalar
@@ -64,6 +68,9 @@ class MultiStepsState(NamedTuple):
       loss_scale: with ``loss_scale``, a ``WindowLossScale``: the window's
         :class:`jaxaccum.DynamicLossScale` and whether its calls were all
         finite; ``()`` without.
+      metadata: with ``init(..., metadata=)``, the FP8 metadata's maximum over
+        the window's accepted calls, in float32 (reset like ``acc_grads``):
+        the window's new metadata once it emits; ``()`` without.
     """
 
     mini_step: jax.Array
@@ -74,6 +81,7 @@ class MultiStepsState(NamedTuple):
     acc_weight: jax.Array | float = 0.0
     noise: WindowNoise | tuple = ()
     loss_scale: WindowLossScale | tuple = ()
+    metadata: Any = ()
 
 
 class _WindowSums(NamedTuple):
@@ -432,9 +440,12 @@ class MultiSteps:
         """The wrapped optimizer, with extra-args support."""
         return self._opt
 
-    def init(self, params: optax.Params) -> MultiStepsState:
+    def init(self, params: optax.Params, metadata: Any = None) -> MultiStepsState:
         """The state at the start of the first window: zero counters and
-        accumulator, ``params`` given to the wrapped optimizer's ``init``."""
+        accumulator, ``params`` given to the wrapped optimizer's ``init``;
+        ``metadata``, the FP8 metadata (Flax's ``_overwrite_with_gradient``
+        collection) if every call passes its new values (``update(...,
+        metadata=)``)."""
         gradient_step = jnp.zeros([], jnp.int32)
         _, skip_state = self._should_skip_update_fn(
             optax.tree.zeros_like(params), gradient_step, params
@@ -448,6 +459,7 @@ class MultiSteps:
             acc_weight=jnp.zeros([], jnp.float32),
             noise=_window_noise.init_window_noise() if self._track_noise_scale else (),
             loss_scale=_loss_scale.first_window(self._loss_scale),
+            metadata=() if metadata is None else _window_metadata(metadata),
         )
 
     def update(
@@ -471,7 +483,10 @@ class MultiSteps:
             value changed mid-window ends the window at the first call whose
             accepted calls reach it.
           **extra_args: ``weight`` (this call's share of the window, e.g. its
-            tokens; default 1) and the wrapped optimizer's extra arguments.
+            tokens; default 1), ``metadata`` (the FP8 metadata's new values
+            from this call, with a state ``init`` gave metadata: maxed over
+            the window, read back with :meth:`metadata`) and the wrapped
+            optimizer's extra arguments.
 
         Returns:
           ``(updates, new_state)``: exact zeros mid-window, the wrapped
@@ -480,6 +495,7 @@ class MultiSteps:
         weight = extra_args.pop("weight", None)
         if weight is not None:
             weight = _check_weight(weight)
+        metadata = _check_metadata(state, extra_args.pop("metadata", None))
         every_k = _window_length(self._every_k_schedule, state.gradient_step, every_k)
         grads, call_finite = updates, None
         if self._loss_scale is not None:
@@ -513,6 +529,7 @@ class MultiSteps:
             sums.acc_weight,
             sums.noise,
             loss_scale,
+            _max_into_window(state, metadata, should_skip),
         )
         return new_updates, new_state
 
@@ -524,6 +541,34 @@ class MultiSteps:
         if isinstance(state.loss_scale, WindowLossScale):
             updated = updated & state.loss_scale.finite
         return updated
+
+    def metadata(self, state: MultiStepsState, current: Any) -> Any:
+        """The FP8 metadata to run the next call with: the window's new values
+        (the max of its calls') right after an emitting call
+        (:meth:`has_updated`), else ``current``, the values the window started
+        with. So every call of a window quantizes with the same scales, as
+        the big batch would, and the histories move once per window.
+
+        Args:
+          state: the state the last call returned; ``init`` got ``metadata``.
+          current: the metadata the last call ran with, in its dtypes.
+
+        Returns:
+          A tree like ``current``.
+
+        Raises:
+          ValueError: for a state whose ``init`` got no ``metadata``.
+        """
+        if _holds_no_metadata(state):
+            raise ValueError(_NO_METADATA)
+        updated = self.has_updated(state)
+        return jax.tree.map(
+            lambda new, old: _metadata.as_dtype(
+                jnp.where(updated, new, _metadata.physical(old)), old.dtype
+            ),
+            state.metadata,
+            current,
+        )
 
     def loss_scale(self, state: MultiStepsState) -> jax.Array:
         """The scale to multiply this call's loss by: the current window's, a
@@ -611,6 +656,73 @@ def _zero_accumulator(params: optax.Params, accumulator_dtype: Any) -> Any:
         ),
         params,
     )
+
+
+_NO_METADATA = (
+    "MultiSteps holds FP8 metadata only if init got it: "
+    "opt.init(params, metadata=variables['_overwrite_with_gradient']) (or "
+    "jaxaccum.flax.TrainState.create, which does so)."
+)
+
+
+def _holds_no_metadata(state: MultiStepsState) -> bool:
+    return isinstance(state.metadata, tuple) and not state.metadata
+
+
+def _window_metadata(metadata: Any) -> Any:
+    """The state's running max of the metadata: float32 zeros like it."""
+    return jax.tree.map(
+        lambda leaf: jnp.zeros(jnp.shape(leaf), _metadata.physical_dtype(leaf.dtype)),
+        metadata,
+    )
+
+
+def _check_metadata(state: MultiStepsState, metadata: Any) -> Any:
+    """``metadata`` passed to ``update``, checked against what ``init`` got."""
+    held = state.metadata
+    if metadata is None:
+        if not _holds_no_metadata(state):
+            raise ValueError(
+                "this MultiSteps state holds FP8 metadata (init got it): pass "
+                "each call's new values, update(..., metadata=grads["
+                "'_overwrite_with_gradient']), or build the state without it."
+            )
+        return None
+    if _holds_no_metadata(state):
+        raise ValueError(_NO_METADATA)
+    given, expected = _layout(metadata), _layout(held)
+    if given != expected:
+        raise ValueError(
+            "update's metadata is not shaped like the metadata init got: "
+            f"{given} against {expected}. Pass the same collection every call."
+        )
+    return metadata
+
+
+def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """Each leaf's path (``keystr``) and shape."""
+    return [
+        (jax.tree_util.keystr(path), jnp.shape(leaf))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
+def _max_into_window(
+    state: MultiStepsState, metadata: Any, should_skip: jax.Array
+) -> Any:
+    """The window's running max of the metadata after a call: reset lazily
+    by a window's first accepted call (as ``acc_grads``), kept by a dropped
+    one."""
+    if metadata is None:
+        return state.metadata
+    window_start = state.mini_step == 0
+
+    def into_window(acc: jax.Array, value: jax.Array) -> jax.Array:
+        value = _metadata.physical(value).astype(acc.dtype)
+        new = jnp.where(window_start, value, jnp.maximum(acc, value))
+        return jnp.where(should_skip, acc, new)
+
+    return jax.tree.map(into_window, state.metadata, metadata)
 
 
 def _counters(

@@ -33,7 +33,7 @@ import optax
 from jax import lax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxaccum import _split
+from jaxaccum import _metadata, _split
 from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
 from jaxaccum._options import REDUCTIONS, check_count, check_positive_int
 from jaxaccum._reduce import divide_by_total_weight
@@ -1117,6 +1117,22 @@ def _unpack(params: Any) -> tuple:
     return tuple(params)
 
 
+def _refuse_fp8_metadata(params: tuple) -> None:
+    """FP8 metadata is refused: the pipeline averages every leaf and
+    differentiates each micro-batch at its own scale (issue 43 routes it
+    through the window, which maxes the metadata)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if _metadata.is_metadata(path, leaf):
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is FP8 metadata (Flax's "
+                f"{_metadata.OVERWRITE_WITH_GRADIENT} collection): the pipeline "
+                "would average it like a gradient, where the window's amax "
+                "history is the max over its micro-batches. Pipeline "
+                "FP8-free stages, or accumulate FP8 models with "
+                "jaxaccum.value_and_grad or shard_value_and_grad."
+            )
+
+
 def make_pipeline(
     functions: tuple, options: PipelineOptions, mesh: Mesh | AbstractMesh | None
 ) -> Callable[..., Any]:
@@ -1127,6 +1143,7 @@ def make_pipeline(
 
     def step(params: Any, batch: Any, key: Any = None) -> Any:
         params = _unpack(params)
+        _refuse_fp8_metadata(params)
         if key is not None and not any(map(takes_key, functions)):
             raise TypeError(
                 "The step was given a key, but none of stage_fn, loss_fn and "

@@ -38,6 +38,10 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
         '"jaxaccum[flax]"'
     ) from error
 
+import optax
+
+from jaxaccum._metadata import OVERWRITE_WITH_GRADIENT
+from jaxaccum._multisteps import MultiSteps
 from jaxaccum._options import (
     SHARD_OPTIONS,
     AccumOptions,
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
     from jaxaccum._diagnose import Diagnosis
 
 __all__ = [
+    "TrainState",
     "linen_diagnose",
     "linen_train_step",
     "linen_value_and_grad",
@@ -139,7 +144,10 @@ def linen_value_and_grad(
     Returns:
       ``accumulated(variables, batch, *args, rngs=None, **kwargs)`` returning
       ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``), where
-      ``grads`` is like ``variables["params"]``; with ``mutable``,
+      ``grads`` is like ``variables["params"]``; where ``variables`` hold FP8
+      metadata (Flax's ``_overwrite_with_gradient`` collection), ``grads``
+      is ``{"params": ..., "_overwrite_with_gradient": <its new values>}``,
+      what ``TrainState.apply_gradients`` takes; with ``mutable``,
       ``(that, updates)``, ``updates`` holding the ``mutable`` collections after
       the window, as ``apply`` returns them; with ``report_finite`` or
       ``report_stats``, ``(all that, report)``.
@@ -168,24 +176,29 @@ def linen_value_and_grad(
     )
     if options.pad:
         check_accepts_example_mask(fun)
-    accumulate = make_accumulated(_linen_loss(fun, collections, has_aux), options)
+    accumulate = {  # by whether the variables hold FP8 metadata
+        fp8: make_accumulated(_linen_loss(fun, collections, has_aux, fp8), options)
+        for fp8 in (False, True)
+    }
 
     def accumulated(
         variables: Any, batch: Any, *args: Any, rngs: Any = None, **kwargs: Any
     ) -> Any:
         params, state, others = _linen_split(variables, collections)
-        return accumulate(params, state, batch, rngs, others, *args, **kwargs)
+        fp8 = _holds_metadata(params)
+        return accumulate[fp8](params, state, batch, rngs, others, *args, **kwargs)
 
     return accumulated
 
 
 def _linen_loss(
-    fun: Callable[..., Any], collections: tuple[str, ...], has_aux: bool
+    fun: Callable[..., Any], collections: tuple[str, ...], has_aux: bool, fp8: bool
 ) -> Callable:
-    """``fun`` as ``loss(params, state, batch, rngs, others, *args)``."""
+    """``fun`` as ``loss(params, state, batch, rngs, others, *args)``; with
+    ``fp8``, ``params`` holds the ``params`` and FP8 metadata collections."""
 
     def loss(params, state, batch, rngs, others, *args, **kwargs):
-        variables = {**others, **state, "params": params}
+        variables = {**others, **state, **(params if fp8 else {"params": params})}
         if rngs is not None:
             kwargs = {**kwargs, "rngs": rngs}
         out = fun(variables, batch, *args, **kwargs)
@@ -219,8 +232,16 @@ def _looks_like_updates(out: Any) -> bool:
     )
 
 
+def _holds_metadata(params: Any) -> bool:
+    """Whether ``params`` is Flax's FP8 layout: ``params`` and its metadata."""
+    return isinstance(params, dict) and OVERWRITE_WITH_GRADIENT in params
+
+
 def _linen_split(variables: Any, collections: tuple[str, ...]) -> tuple:
-    """``variables`` as (params, mutable collections, other collections)."""
+    """``variables`` as (params, mutable collections, other collections); the
+    params are ``{"params": ..., "_overwrite_with_gradient": ...}`` where the
+    variables hold FP8 metadata (differentiated with the parameters, as
+    Flax's recipe does), else the ``"params"`` collection."""
     variables = flax.core.unfreeze(variables)
     missing = [name for name in ("params", *collections) if name not in variables]
     if missing:
@@ -235,7 +256,13 @@ def _linen_split(variables: Any, collections: tuple[str, ...]) -> tuple:
         for name, value in variables.items()
         if name != "params" and name not in collections
     }
-    return variables["params"], state, others
+    params = variables["params"]
+    if OVERWRITE_WITH_GRADIENT in others:
+        params = {
+            "params": params,
+            OVERWRITE_WITH_GRADIENT: others.pop(OVERWRITE_WITH_GRADIENT),
+        }
+    return params, state, others
 
 
 def linen_diagnose(
@@ -290,8 +317,10 @@ def linen_diagnose(
     _check_kwargs("linen_diagnose", value_and_grad_kwargs)
     collections = _collection_names(mutable)
     params, state, others = _linen_split(variables, collections)
+    has_aux = value_and_grad_kwargs.get("has_aux", False)
+    fp8 = _holds_metadata(params)
     return diagnose(
-        _linen_loss(fun, collections, value_and_grad_kwargs.get("has_aux", False)),
+        _linen_loss(fun, collections, has_aux, fp8),
         params,
         state,
         batch,
@@ -393,7 +422,7 @@ def linen_train_step(
                 "mutable collections in. Subclass TrainState with them, e.g. "
                 "class TrainState(train_state.TrainState): batch_stats: Any."
             )
-        variables = {"params": state.params}
+        variables = _train_state_variables(state.params)
         variables.update({name: getattr(state, name) for name in collections})
         result = accumulate(variables, batch, *args, rngs=rngs, **kwargs)
         result, report = result if reports else (result, None)
@@ -405,6 +434,93 @@ def linen_train_step(
         return (new_state, loss) if report is None else (new_state, loss, report)
 
     return step
+
+
+def _train_state_variables(params: Any) -> dict:
+    """A ``TrainState``'s ``params`` as Linen variables: Flax's FP8 recipe
+    keeps the whole variables there (``params`` and the FP8 metadata)."""
+    params = flax.core.unfreeze(params)
+    if _holds_metadata(params):
+        return params
+    return {"params": params}
+
+
+def _multisteps_of(tx: Any) -> MultiSteps | None:
+    """The :class:`jaxaccum.MultiSteps` behind ``tx`` (``accumulate``'s
+    transformation included), else None."""
+    owner = getattr(getattr(tx, "init", None), "__self__", None)
+    return owner if isinstance(owner, MultiSteps) else None
+
+
+class TrainState(train_state.TrainState):
+    """Flax's ``TrainState``, its FP8 metadata moved once per `MultiSteps` window.
+
+    A drop-in for ``flax.training.train_state.TrainState``. Where ``tx`` is a
+    :class:`jaxaccum.MultiSteps` (or ``jaxaccum.accumulate``) and ``params``
+    holds FP8 metadata (Flax's ``_overwrite_with_gradient`` collection beside
+    ``"params"``), ``apply_gradients`` hands each call's new metadata to the
+    window (maxed over its calls) and keeps the window-start values in
+    ``params`` until the window emits, when they become the window's: every
+    call quantizes with the scales the big batch would, and the amax
+    histories move once a window. Flax's own ``TrainState`` writes each
+    call's metadata over the last, so with ``MultiSteps`` its histories roll
+    once per call. Otherwise it is Flax's. Guide: [Mixed
+    precision](../guides/mixed-precision.md#fp8-across-calls).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import jaxaccum, jaxaccum.flax
+      >>> params = {"params": {"w": jnp.zeros(2)},
+      ...           "_overwrite_with_gradient": {"amax": jnp.zeros(1)}}
+      >>> state = jaxaccum.flax.TrainState.create(
+      ...     apply_fn=None, params=params, tx=jaxaccum.MultiSteps(optax.sgd(1.0), 2))
+      >>> for amax in (3.0, 1.0):
+      ...     grads = {"params": {"w": jnp.ones(2)},
+      ...              "_overwrite_with_gradient": {"amax": jnp.full(1, amax)}}
+      ...     state = state.apply_gradients(grads=grads)
+      ...     print(state.params["_overwrite_with_gradient"]["amax"])
+      [0.]
+      [3.]
+    """
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> Any:
+        """As Flax's ``create``; a `MultiSteps` ``tx`` also holds the metadata."""
+        multisteps = _multisteps_of(tx)
+        if multisteps is None or OVERWRITE_WITH_GRADIENT not in params:
+            return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        opt_state = multisteps.init(
+            params["params"], metadata=params[OVERWRITE_WITH_GRADIENT]
+        )
+        return cls(
+            step=0,
+            apply_fn=apply_fn,
+            params=params,
+            tx=tx,
+            opt_state=opt_state,
+            **kwargs,
+        )
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> Any:
+        """As Flax's; the metadata held for a `MultiSteps` window (above)."""
+        multisteps = _multisteps_of(self.tx)
+        if multisteps is None or OVERWRITE_WITH_GRADIENT not in grads:
+            return super().apply_gradients(grads=grads, **kwargs)
+        updates, opt_state = multisteps.update(
+            grads["params"],
+            self.opt_state,
+            self.params["params"],
+            metadata=grads[OVERWRITE_WITH_GRADIENT],
+        )
+        params = {
+            "params": optax.apply_updates(self.params["params"], updates),
+            OVERWRITE_WITH_GRADIENT: multisteps.metadata(
+                opt_state, self.params[OVERWRITE_WITH_GRADIENT]
+            ),
+        }
+        return self.replace(
+            step=self.step + 1, params=params, opt_state=opt_state, **kwargs
+        )
 
 
 def nnx_value_and_grad(

@@ -11,7 +11,7 @@ from typing import Any
 
 import chex
 
-from jaxaccum._compare import accumulated_and_reference, leaf_errors
+from jaxaccum._compare import accumulated_and_reference, leaf_errors, metadata_paths
 from jaxaccum._diagnose import Cause, Diagnosis, LeafError, diagnose
 from jaxaccum._hlo import (
     COLLECTIVES,
@@ -54,7 +54,9 @@ def assert_grads_match_full_batch(
     batch), both under ``jax.jit``, and compares values and gradients with
     ``chex.assert_trees_all_close``. Works for every reduction (``"weighted"``
     included) and with ``pad``, ``key_argnums`` and ``state_argnums``; aux
-    outputs and new state are not compared.
+    outputs and new state are not compared. FP8 metadata (Flax's
+    ``_overwrite_with_gradient`` collection) is compared as values: the
+    window's is the max of its micro-batches', which is the full batch's.
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
@@ -101,8 +103,14 @@ def assert_grads_match_full_batch(
             {"value": accumulated[0], "grads": accumulated[1]},
             {"value": reference[0], "grads": reference[1]},
         )
+        metadata = metadata_paths({"grads": reference[1]})
         lines = [
             f"  {path}: max abs error {abs_err:.3g}, relative error {rel_err:.3g}"
+            + (
+                " (FP8 metadata: the max over micro-batches)"
+                if path in metadata
+                else ""
+            )
             for path, abs_err, rel_err in sorted(errors, key=lambda e: -e[1])
             if abs_err > atol
         ]

@@ -93,9 +93,10 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/test_loss_scale.py::test_option_matrix_under_a_loss_scale_matches_full_batch[value_and_grad]",
         "tests/test_loss_scale.py::test_option_matrix_under_a_loss_scale_matches_full_batch[flax_nnx]",
     ),
-    "FP8 delayed scaling: metadata maxed, cotangents at the big batch's": (
+    "FP8: metadata maxed in a step and across calls, big-batch cotangents": (
         "tests/test_fp8.py::test_fp8_metadata_and_gradients_equal_the_big_batch_step_after_step[direct]",
         "tests/test_distributed.py::test_on_eight_devices[fp8_metadata_maxed_over_devices]",
+        "tests/test_fp8.py::test_fp8_across_calls_holds_the_metadata_for_the_window[MultiSteps]",
     ),
     "MultiSteps across calls: k calls are one big-batch step": (
         "tests/test_optimizer.py::test_k_calls_match_one_call_on_mean_gradient",

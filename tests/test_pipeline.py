@@ -295,6 +295,15 @@ def test_params_not_a_triple():
     assert "tuple of length 2" in message
 
 
+def test_fp8_metadata_is_refused_until_the_pipeline_maxes_it():
+    """The pipeline would average FP8 metadata like a gradient: refused,
+    naming the leaf."""
+    embed_params, stage_params, head_params = one_device_case(1)[0]
+    head_params = {"w": head_params, "_overwrite_with_gradient": {"amax": jnp.ones(4)}}
+    message = call_error(build(), params=(embed_params, stage_params, head_params))
+    assert "params[2]['_overwrite_with_gradient']['amax'] is FP8 metadata" in message
+
+
 def test_a_weighted_loss_that_is_not_a_pair():
     message = call_error(build(reduction="weighted"))
     assert "must return (loss_sum, weight)" in message
