@@ -308,3 +308,41 @@ def after_call(
         closes, update_loss_scale(state.scale, finite), state.scale
     )
     return WindowLossScale(scale, finite)
+
+
+def pop_loss_scale(kwargs: dict, enabled: bool) -> Any:
+    """For a function built with ``loss_scale`` (``enabled``), the call's
+    loss-scale state, popped from ``kwargs`` and checked; without, a refusal
+    if it is passed."""
+    if not enabled:
+        if "loss_scale" in kwargs:
+            raise TypeError(
+                "loss_scale was passed to a function built without "
+                "loss_scale=True: it would reach fun as a keyword argument and "
+                "no micro-batch would be scaled. Build the function with "
+                "loss_scale=True."
+            )
+        return None
+    if "loss_scale" not in kwargs:
+        raise TypeError(
+            "With loss_scale=True, call the accumulated function with the "
+            "keyword argument loss_scale: the window's jaxaccum.DynamicLossScale "
+            "(jaxaccum.dynamic_loss_scale() at first, then the loss_scale of "
+            "the previous window's LossScaleReport)."
+        )
+    return check_loss_scale("loss_scale", kwargs.pop("loss_scale"))
+
+
+def loss_scale_report(
+    finite: jax.Array, scale: Any, valid: jax.Array | None, report: Any
+) -> LossScaleReport:
+    """The window's :class:`LossScaleReport`. A window out of range (``valid``
+    false, traced) is not finite, and leaves the scale as it was: nothing
+    overflowed."""
+    next_scale = update_loss_scale(scale, finite)
+    if valid is not None:
+        finite = finite & valid
+        next_scale = jax.tree.map(
+            lambda new, old: jnp.where(valid, new, old), next_scale, scale
+        )
+    return LossScaleReport(finite, next_scale, report)

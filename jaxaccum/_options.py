@@ -186,6 +186,45 @@ def check_count(name: str, value: Any) -> None:
     )
 
 
+# The aux reductions of a pipeline: each micro-batch's aux is computed on the
+# last stage's device, per data shard, and summed there.
+PIPELINE_AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """Where a pipelined window's stages and batch lie: the pipeline's part of
+    :class:`AccumOptions`, set by :func:`jaxaccum.pipeline_value_and_grad`.
+
+    Attributes:
+      stage_axis: the mesh axis the stages are placed on.
+      data_axis: the mesh axis the batch is sharded over, or None.
+      repeats: ``R``, stages per device (circular schedule when > 1).
+    """
+
+    stage_axis: str = "stage"
+    data_axis: str | None = None
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive_int("repeats", self.repeats)
+        for name in ("stage_axis", "data_axis"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (name == "data_axis" and value is None)):
+                raise TypeError(f"{name} must be a mesh axis name, got {value!r}.")
+        if self.data_axis == self.stage_axis:
+            raise ValueError(
+                f"data_axis and stage_axis are both {self.stage_axis!r}: the "
+                "batch is sharded over one mesh axis, the stages placed on "
+                "another."
+            )
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The mesh axes the window runs manual over."""
+        return (self.stage_axis,) + ((self.data_axis,) if self.data_axis else ())
+
+
 @dataclasses.dataclass(frozen=True)
 class AccumOptions:
     """How a function is accumulated; see :func:`jaxaccum.value_and_grad`.
@@ -218,6 +257,8 @@ class AccumOptions:
       gather_dtype: dtype parameters are cast to before they are gathered.
       param_specs: per differentiated leaf (flattened), its ``PartitionSpec``
         outside the ``shard_map`` (``P()`` where unknown); set per call.
+      pipeline: a pipelined window's :class:`PipelineLayout` (set by
+        ``pipeline_value_and_grad``), else None.
     """
 
     num_microbatches: int | None = None
@@ -242,6 +283,7 @@ class AccumOptions:
     grad_reduce: ShardMode = "auto"
     gather_dtype: Any = None
     param_specs: tuple[Any, ...] = ()
+    pipeline: PipelineLayout | None = None
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_size is None):
@@ -302,6 +344,23 @@ class AccumOptions:
                 "alone."
             )
         self._check_roles()
+        if self.pipeline is not None:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.aux_reduction not in PIPELINE_AUX_REDUCTIONS:
+            raise ValueError(
+                f"aux_reduction must be one of {PIPELINE_AUX_REDUCTIONS} in a "
+                f"pipeline, got {self.aux_reduction!r}: each micro-batch's aux "
+                "is computed on the last stage's device, per data shard."
+            )
+
+    @property
+    def layout(self) -> PipelineLayout:
+        """The pipeline's layout; a ValueError if this window is not one."""
+        if self.pipeline is None:
+            raise ValueError("these options are not a pipelined window's")
+        return self.pipeline
 
     def _check_roles(self) -> None:
         roles = self.roles
@@ -422,8 +481,9 @@ class AccumOptions:
     @classmethod
     def option_names(cls) -> frozenset[str]:
         """The fields a caller may set (every field but ``num_microbatches``,
-        which front ends take positionally, and those set per call)."""
-        per_call = {"num_microbatches", "data_axes", "param_specs"}
+        which front ends take positionally, those set per call, and the
+        pipeline's layout, which its front end sets)."""
+        per_call = {"num_microbatches", "data_axes", "param_specs", "pipeline"}
         return frozenset(field.name for field in dataclasses.fields(cls)) - per_call
 
 
@@ -433,6 +493,44 @@ SHARD_OPTIONS: dict[str, str] = {
     name: "it is an option of jaxaccum.shard_value_and_grad (how parameters "
     "sharded over the data axes are gathered and gradients reduced)."
     for name in ("param_gather", "grad_reduce", "gather_dtype")
+}
+
+
+_PIPELINE_ROLES = (
+    "the pipeline's step has one layout, step(params, batch, key=None): "
+    "params = (embed_params, stage_params, head_params) differentiated, the "
+    "batch split into micro-batches, the key split per micro-batch."
+)
+_PIPELINE_FSDP = (
+    "the pipeline plans FSDP itself: a parameter sharded over data_axis is "
+    "gathered once per window, before the loop, and its gradient "
+    "reduce-scattered once after it."
+)
+# What the core takes that a pipeline cannot, each with why.
+PIPELINE_REFUSED: dict[str, str] = {
+    "argnums": _PIPELINE_ROLES,
+    "batch_argnums": _PIPELINE_ROLES,
+    "key_argnums": _PIPELINE_ROLES,
+    "state_argnums": (
+        "carried state (BatchNorm) would have to pass from stage to stage "
+        "between micro-batches, which the schedule runs at once on different "
+        "devices; keep running statistics out of pipelined stages."
+    ),
+    "pad": (
+        "every micro-batch flows through every stage with one shape: pass a "
+        "batch that M (times the data shards) divides."
+    ),
+    "masked": (
+        "the schedule's ticks are fixed when it is compiled: build a step "
+        "per window length."
+    ),
+    "param_gather": _PIPELINE_FSDP,
+    "grad_reduce": _PIPELINE_FSDP,
+    "gather_dtype": _PIPELINE_FSDP,
+    "report_finite": (
+        "report_stats=True returns the finite flags (WindowStats."
+        "microbatch_finite and .finite) with the statistics."
+    ),
 }
 
 

@@ -12,12 +12,7 @@ from jax import lax
 
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
-from jaxaccum._loss_scale import (
-    LossScaleReport,
-    check_loss_scale,
-    scale_loss,
-    update_loss_scale,
-)
+from jaxaccum._loss_scale import loss_scale_report, pop_loss_scale, scale_loss
 from jaxaccum._noise_scale import window_stats
 from jaxaccum._options import (
     SHARD_OPTIONS,
@@ -33,6 +28,7 @@ from jaxaccum._window import (
     Window,
     WindowOut,
     microbatch_share,
+    weighted_pair,
     zeros_like_aval,
 )
 
@@ -231,7 +227,7 @@ def make_accumulated(
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> Any:
         active = _pop_active_microbatches(kwargs, options)
-        scale = _pop_loss_scale(kwargs, options)
+        scale = pop_loss_scale(kwargs, options.loss_scale)
         check_arg_count(args, options)
         labelled_batches = [(f"args[{i}]", args[i]) for i in options.batch_nums]
         split = _split.resolve_num_microbatches(
@@ -312,28 +308,6 @@ def _pop_active_microbatches(kwargs: dict, options: AccumOptions) -> Any:
     return kwargs.pop("active_microbatches")
 
 
-def _pop_loss_scale(kwargs: dict, options: AccumOptions) -> Any:
-    """With ``loss_scale``, the call's loss-scale state, popped from
-    ``kwargs`` and checked; without, a refusal if it is passed."""
-    if not options.loss_scale:
-        if "loss_scale" in kwargs:
-            raise TypeError(
-                "loss_scale was passed to a function built without "
-                "loss_scale=True: it would reach fun as a keyword argument and "
-                "no micro-batch would be scaled. Build the function with "
-                "loss_scale=True."
-            )
-        return None
-    if "loss_scale" not in kwargs:
-        raise TypeError(
-            "With loss_scale=True, call the accumulated function with the "
-            "keyword argument loss_scale: the window's jaxaccum.DynamicLossScale "
-            "(jaxaccum.dynamic_loss_scale() at first, then the loss_scale of "
-            "the previous window's LossScaleReport)."
-        )
-    return check_loss_scale("loss_scale", kwargs.pop("loss_scale"))
-
-
 def _check_active_microbatches(active: Any, num_microbatches: int) -> Any:
     """Checks ``active_microbatches`` against the window's ``N``. Returns
     None where it is concrete (and checked), else the traced flag that it is
@@ -377,22 +351,6 @@ def _check_differentiable(args: tuple, argnums: tuple[int, ...]) -> None:
                 )
 
 
-def _weighted_pair(loss: Any) -> tuple[Any, Any]:
-    if not (isinstance(loss, tuple | list) and len(loss) == 2):
-        raise TypeError(
-            "With reduction='weighted', fun must return (loss_sum, weight) (with "
-            "has_aux: ((loss_sum, weight), aux)), where loss_sum sums the "
-            "micro-batch's losses and weight counts (or sums the weights of) "
-            f"what was summed; got {type(loss).__name__}."
-        )
-    if jnp.shape(loss[1]) != ():
-        raise TypeError(
-            "With reduction='weighted', the weight fun returns must be a "
-            f"scalar, got shape {jnp.shape(loss[1])}."
-        )
-    return loss[0], loss[1]
-
-
 def _micro_value_and_grad(
     fun: Callable[..., Any],
     args: tuple,
@@ -432,7 +390,7 @@ def _micro_value_and_grad(
         loss, aux = out if options.has_aux else (out, ())
         weight = ()
         if options.reduction == "weighted":
-            loss, weight = _weighted_pair(loss)
+            loss, weight = weighted_pair(loss, "fun")
         if not hasattr(loss, "dtype") and not isinstance(loss, float | int):
             raise TypeError(
                 "fun must return a scalar loss (a pair (loss, aux) with "
@@ -690,22 +648,5 @@ def _package(
         flags = out.micro.finite
         report = _invalid_unless(valid, FiniteReport(flags, jnp.all(flags)))
     if options.loss_scale:
-        report = _loss_scale_report(
-            typing.cast(jax.Array, finite), scale, valid, report
-        )
+        report = loss_scale_report(typing.cast(jax.Array, finite), scale, valid, report)
     return (result, report) if options.reports else result
-
-
-def _loss_scale_report(
-    finite: jax.Array, scale: Any, valid: jax.Array | None, report: Any
-) -> LossScaleReport:
-    """The window's :class:`LossScaleReport`. A window out of range (``valid``
-    false, traced) is not finite, and leaves the scale as it was: nothing
-    overflowed."""
-    next_scale = update_loss_scale(scale, finite)
-    if valid is not None:
-        finite = finite & valid
-        next_scale = jax.tree.map(
-            lambda new, old: jnp.where(valid, new, old), next_scale, scale
-        )
-    return LossScaleReport(finite, next_scale, report)

@@ -54,6 +54,24 @@ class MicroResult(NamedTuple):
     share: Any
 
 
+def weighted_pair(loss: Any, fun: str) -> tuple[Any, Any]:
+    """A weighted reduction's ``(loss_sum, weight)``, as the loss function
+    (named ``fun`` in messages) must return it: a pair, the weight a scalar."""
+    if not (isinstance(loss, tuple | list) and len(loss) == 2):
+        raise TypeError(
+            f"With reduction='weighted', {fun} must return (loss_sum, weight) "
+            "(with has_aux: ((loss_sum, weight), aux)), where loss_sum sums the "
+            "micro-batch's losses and weight counts (or sums the weights of) "
+            f"what was summed; got {type(loss).__name__}."
+        )
+    if jnp.shape(loss[1]) != ():
+        raise TypeError(
+            f"With reduction='weighted', the weight {fun} returns must be a "
+            f"scalar, got shape {jnp.shape(loss[1])}."
+        )
+    return loss[0], loss[1]
+
+
 def microbatch_share(options: AccumOptions, num_means: Any, weight: Any) -> Any:
     """What one micro-batch's loss is multiplied by before its backward pass,
     so that every cotangent in it is the big batch's for the same examples

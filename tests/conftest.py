@@ -92,6 +92,8 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/test_loss_scale.py::test_overflowing_micro_batch_skips_the_whole_window_bitwise",
         "tests/test_loss_scale.py::test_option_matrix_under_a_loss_scale_matches_full_batch[value_and_grad]",
         "tests/test_loss_scale.py::test_option_matrix_under_a_loss_scale_matches_full_batch[flax_nnx]",
+        "tests/test_pipeline.py::test_float16_loss_scale_through_the_pipeline_matches_float32",
+        "tests/test_pipeline.py::test_pipeline_on_8_devices[loss_scale_over_stages_and_shards]",
     ),
     "FP8: metadata maxed in a step and across calls, big-batch cotangents": (
         "tests/test_fp8.py::test_fp8_metadata_and_gradients_equal_the_big_batch_step_after_step[direct]",

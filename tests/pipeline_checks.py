@@ -39,8 +39,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tolerances import UNIT_ROUNDOFF
 
-from jaxaccum import _pipeline
+import jaxaccum
 from jaxaccum._hlo import collective_bytes, find_collectives, window_bytes
+from jaxaccum._options import AccumOptions, PipelineLayout
+from jaxaccum._pipeline._step import make_pipeline
 
 INPUTS, FEATURES, OUTPUTS = 4, 16, 2
 ROWS = 4  # rows of one micro-batch on one data shard
@@ -84,6 +86,7 @@ CHECKS = [
     "sum_reduction",
     "bfloat16_stage_params",
     "report_stats",
+    "loss_scale_over_stages_and_shards",
     "bubble_and_nested_flops",
     "memory_per_device",
     "transformer_loss_curve",
@@ -212,7 +215,7 @@ def make_case(name, dtype=np.float32, axis_type=AxisType.Explicit):
 
 
 def pipelined(case, stage=stage_fn, loss=loss_fn, **options):
-    return _pipeline.pipeline_value_and_grad(
+    return jaxaccum.pipeline_value_and_grad(
         stage,
         loss,
         case.num_microbatches,
@@ -334,13 +337,9 @@ def check_nan(fill, stage):
     case = make_case("stage4_data2_M8_R2")
     bubble = stage(jax.tree.map(lambda p: p[0], case.params[1]), jnp.zeros((1, 16)))
     assert fill != 0 or bool(jnp.isnan(bubble).all()), "no NaN to contain"
-    options = _pipeline.PipelineOptions(
-        case.num_microbatches,
-        data_axis=case.data_axis,
-        repeats=case.repeats,
-        bubble_fill=fill,
-    )
-    step = _pipeline.make_pipeline((stage, loss_fn, embed_fn), options, case.mesh)
+    layout = PipelineLayout(data_axis=case.data_axis, repeats=case.repeats)
+    options = AccumOptions(case.num_microbatches, pipeline=layout)
+    step = make_pipeline((stage, loss_fn, embed_fn), options, case.mesh, fill)
     out = jax.jit(step)(*case.placed)
     chex.assert_tree_all_finite(out)
     chex.assert_trees_all_close(out, reference(case, stage), rtol=RTOL, atol=ATOL)
@@ -425,7 +424,7 @@ def check_weighted_aux_keys():
         num = 4
         params = make_params(4)
         batch = make_batch(ROWS * num * 2)
-        step = _pipeline.pipeline_value_and_grad(
+        step = jaxaccum.pipeline_value_and_grad(
             stage_fn,
             weighted_loss,
             num,
@@ -506,6 +505,30 @@ def check_bfloat16():
         assert bool(jnp.all(error <= bound)), float(jnp.max(error / bound))
         worst = max(worst, float(jnp.max(error / bound)))
     return f"error <= {worst:.3f} x bound; reductions float32"
+
+
+def check_loss_scale():
+    """A float32 window under a power-of-two loss scale is the unscaled
+    window bitwise (the scale multiplies every cotangent exactly, the unscale
+    divides it back); one inf row, in data shard 1's last micro-batch, makes
+    the window not finite on every device, the scale backed off."""
+    case = make_case("stage4_data2_M8_R2")
+    scale = jaxaccum.dynamic_loss_scale()
+    step = jax.jit(pipelined(case, loss_scale=True))
+    out, report = step(*case.placed, loss_scale=scale)
+    assert bool(report.finite)
+    chex.assert_trees_all_equal(out, jax.jit(pipelined(case))(*case.placed))
+    params, batch = case.placed
+    row = len(case.batch["x"]) - 1  # shard 1's last row: micro-batch M - 1
+    poisoned = jax.device_put(
+        {**case.batch, "x": case.batch["x"].at[row].set(np.inf)},
+        NamedSharding(case.mesh, P(case.data_axis)),
+    )
+    _, report = step(params, poisoned, loss_scale=scale)
+    flags = [bool(shard.data) for shard in report.finite.addressable_shards]
+    assert len(flags) == 8 and not any(flags), flags
+    assert float(report.loss_scale.loss_scale) < float(scale.loss_scale)
+    return f"finite windows bitwise; an inf row: not finite on {len(flags)} devices"
 
 
 def check_report_stats():
@@ -759,7 +782,7 @@ def check_transformer():
         params = transformer_params(np.float64)
         batch = counting_batch(ROWS * 4 * 4)
         pipelined_step = jax.jit(
-            _pipeline.pipeline_value_and_grad(
+            jaxaccum.pipeline_value_and_grad(
                 block,
                 next_token_loss,
                 4,
@@ -830,6 +853,7 @@ def _run(name):
         "sum_reduction": check_sum_reduction,
         "bfloat16_stage_params": check_bfloat16,
         "report_stats": check_report_stats,
+        "loss_scale_over_stages_and_shards": check_loss_scale,
         "bubble_and_nested_flops": check_flops,
         "memory_per_device": check_memory,
         "transformer_loss_curve": check_transformer,

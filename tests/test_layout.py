@@ -214,7 +214,8 @@ def test_options_are_one_frozen_object_whose_allowed_values_are_derived():
     keywords = set(inspect.signature(jaxaccum.value_and_grad).parameters) - {"fun"}
     sharded = {"param_gather", "grad_reduce", "gather_dtype"}
     per_call = {"data_axes", "param_specs"}  # set by shard_value_and_grad
-    assert keywords <= fields and fields - keywords == sharded | per_call
+    pipeline = {"pipeline"}  # set by pipeline_value_and_grad
+    assert keywords <= fields and fields - keywords == sharded | per_call | pipeline
     shard_signature = inspect.signature(jaxaccum.shard_value_and_grad).parameters
     for name in sharded:
         assert shard_signature[name].default == getattr(
@@ -269,7 +270,15 @@ def _front_end_calls(keywords: dict) -> dict:
         return jnp.mean(model(batch))
 
     mesh = jax.make_mesh((1,), ("data",))
+    stages = jax.make_mesh((1,), ("stage",))
     return {
+        "pipeline_value_and_grad": lambda: jaxaccum.pipeline_value_and_grad(
+            lambda p, x: x @ p,
+            lambda h, x, b: jnp.mean(x @ h),
+            2,
+            mesh=stages,
+            **keywords,
+        ),
         "value_and_grad": lambda: jaxaccum.value_and_grad(_loss, 2, **keywords),
         "grad": lambda: jaxaccum.grad(_loss, 2, **keywords),
         "shard_value_and_grad": lambda: jaxaccum.shard_value_and_grad(
@@ -329,6 +338,7 @@ def test_every_front_end_refuses_an_unknown_option_by_name():
         ("shard_value_and_grad", ("state_argnums", "report_finite", "masked")),
         ("equinox.filter_value_and_grad", (*_options.SHARD_OPTIONS, "argnums")),
         ("equinox.filter_grad", (*_options.SHARD_OPTIONS, "argnums")),
+        ("pipeline_value_and_grad", _options.PIPELINE_REFUSED),
     ],
 )
 def test_front_end_keywords_are_the_options(front_end, exclude):
@@ -344,7 +354,8 @@ def test_front_end_keywords_are_the_options(front_end, exclude):
         name: parameter.default
         for name, parameter in parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-        and name not in ("mesh", "data_axis")
+        # a front end's own keywords: its mesh and the pipeline's layout
+        and name not in ("mesh", "data_axis", "embed_fn", "stage_axis", "repeats")
     }
     defaults = {
         field.name: field.default

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_loss_scale as loss_scale_tests
 from check_scripts import run_script, selected_checks
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,8 +29,11 @@ from pipeline_checks import embed_fn as embed
 from pipeline_checks import loss_fn as mse
 from pipeline_checks import stage_fn as dense
 
-from jaxaccum import _pipeline
-from jaxaccum._pipeline import Schedule, pipeline_value_and_grad
+import jaxaccum
+from jaxaccum import pipeline_value_and_grad
+from jaxaccum._options import AccumOptions, PipelineLayout
+from jaxaccum._pipeline._calls import takes_key
+from jaxaccum._pipeline._schedule import Schedule, schedule_on
 
 
 @pytest.fixture(scope="module")
@@ -150,20 +154,24 @@ def window_reference(params, batch, reduction, key=None, layers=1):
     with_key=st.booleans(),
     remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
     stats=st.booleans(),
+    by_size=st.booleans(),
 )
 def test_options_against_the_window_reference(
-    repeats, reduction, with_key, remat, stats
+    repeats, reduction, with_key, remat, stats, by_size
 ):
-    """Every combination of repeats, reduction (with aux), keys, remat and
-    report_stats equals the micro-batch-by-micro-batch reference (RTOL of
-    pipeline_checks.py: the same sums in another order)."""
+    """Every combination of repeats, reduction (with aux), keys, remat,
+    report_stats and M given as a count or a size equals the
+    micro-batch-by-micro-batch reference (RTOL of pipeline_checks.py: the
+    same sums in another order)."""
     params, batch = one_device_case(repeats)
     key = jax.random.key(3) if with_key else None
     weighted = reduction == "weighted"
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    split = {"microbatch_size": rows // NUM} if by_size else {"num_microbatches": NUM}
     step = pipeline_value_and_grad(
         noisy_dense if with_key else dense,
         weighted_mse if weighted else mse,
-        NUM,
+        **split,
         mesh=MESH,
         embed_fn=noisy_embed if with_key else embed,
         repeats=repeats,
@@ -269,7 +277,8 @@ def test_circular_schedule_with_fewer_microbatches_than_stages():
 
 
 def test_fewer_microbatches_than_stages_is_allowed_with_repeats_1():
-    schedule = _pipeline.PipelineOptions(2).schedule(AbstractMesh((4,), ("stage",)))
+    options = AccumOptions(2, pipeline=PipelineLayout())
+    schedule = schedule_on(AbstractMesh((4,), ("stage",)), options)
     assert schedule.num_ticks == 5 and schedule.bubble_fraction == pytest.approx(3 / 5)
 
 
@@ -306,7 +315,16 @@ def test_fp8_metadata_is_refused_until_the_pipeline_maxes_it():
 
 def test_a_weighted_loss_that_is_not_a_pair():
     message = call_error(build(reduction="weighted"))
-    assert "must return (loss_sum, weight)" in message
+    assert "loss_fn must return (loss_sum, weight)" in message
+    per_row = pipeline_value_and_grad(
+        dense,
+        lambda h, x, b: (mse(h, x, b), jnp.ones(len(x))),
+        NUM,
+        mesh=MESH,
+        embed_fn=embed,
+        reduction="weighted",
+    )
+    assert "the weight loss_fn returns must be a scalar" in call_error(per_row)
 
 
 @pytest.mark.parametrize(
@@ -321,6 +339,51 @@ def test_a_weighted_loss_that_is_not_a_pair():
 def test_bad_options_fail_at_construction(options, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build(**options)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"pad": True},
+        {"masked": True},
+        {"state_argnums": 2},
+        {"argnums": 1},
+        {"param_gather": "window"},
+        {"report_finite": True},
+    ],
+    ids=lambda option: next(iter(option)),
+)
+def test_what_a_pipeline_cannot_do_is_refused_with_why(option):
+    """One options object: the core's options the pipeline does not take are
+    refused by name, each with its reason."""
+    (name,) = option
+    with pytest.raises(
+        TypeError, match=f"pipeline_value_and_grad does not take {name}: "
+    ):
+        build(**option)
+
+
+@pytest.mark.parametrize("unroll", [1.5, "2", None, 0])
+def test_unroll_is_checked_as_everywhere(unroll):
+    with pytest.raises((TypeError, ValueError), match="unroll"):
+        build(unroll=unroll)
+
+
+def test_microbatch_size_is_the_same_window_as_its_count():
+    """``microbatch_size=`` reads ``M`` off the batch: the same program as
+    ``num_microbatches=M``, so the same numbers bitwise."""
+    params, batch = one_device_case(1)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    by_count = jax.jit(build())(params, batch)
+    by_size = pipeline_value_and_grad(
+        dense, mse, mesh=MESH, embed_fn=embed, microbatch_size=rows // NUM
+    )
+    chex.assert_trees_all_equal(jax.jit(by_size)(params, batch), by_count)
+    odd = pipeline_value_and_grad(
+        dense, mse, mesh=MESH, embed_fn=embed, microbatch_size=rows // NUM + 1
+    )
+    message = call_error(odd)
+    assert f"micro-batches of {rows // NUM + 1} rows" in message, message
 
 
 def test_num_microbatches_must_be_an_int():
@@ -358,5 +421,72 @@ def test_a_key_no_function_takes():
 
 
 def test_only_functions_with_a_key_parameter_get_one():
-    assert _pipeline.takes_key(noisy_dense) and _pipeline.takes_key(lambda **kw: 0)
-    assert not _pipeline.takes_key(mse) and not _pipeline.takes_key(None)
+    assert takes_key(noisy_dense) and takes_key(lambda **kw: 0)
+    assert not takes_key(mse) and not takes_key(None)
+
+
+# A float16 loss scale through the pipeline: test_loss_scale.py's model (its
+# derived bound) as embed (``tanh(x W1)``), one stage multiplying by an
+# exact 1 (no rounding), and the head (``c mean(boost z w2)``).
+
+
+def f16_pipeline(num, **options):
+    return pipeline_value_and_grad(
+        lambda ones, z: z * ones,
+        lambda w2, z, b: f16_loss({"W1": None, "w2": w2, "z": z}, b),
+        num,
+        mesh=MESH,
+        embed_fn=lambda w1, b: jnp.tanh(b["x"].astype(w1.dtype) @ w1),
+        **options,
+    )
+
+
+def f16_loss(params, batch):
+    """test_loss_scale.f16_loss from the hidden activation ``z`` on."""
+    out = (params["z"] @ params["w2"]).astype(jnp.float32)
+    return loss_scale_tests.LOSS_WEIGHT * jnp.mean(batch["boost"] * out)
+
+
+def f16_pipeline_params(dtype=jnp.float16):
+    params = loss_scale_tests.f16_params(dtype)
+    ones = jnp.ones((1, loss_scale_tests.HIDDEN), dtype)  # S R = 1 stage
+    return params["W1"], ones, params["w2"]
+
+
+@pytest.mark.parametrize("num", [2, 4])
+def test_float16_loss_scale_through_the_pipeline_matches_float32(num):
+    """Scaled, the float16 window is the float32 big batch's within the
+    bound test_loss_scale.py derives; unscaled, the hidden layer's gradient
+    underflows to zero."""
+    params, batch = f16_pipeline_params(), loss_scale_tests.f16_batch()
+    as_dict = {"W1": params[0], "w2": params[2]}
+    reference = jax.grad(loss_scale_tests.f16_loss)(
+        loss_scale_tests.f16_params(jnp.float32), batch
+    )
+    tolerance = loss_scale_tests.f16_tolerance(as_dict, batch, reference, num)
+    step = jax.jit(f16_pipeline(num, loss_scale=True))
+    (_, grads), report = step(params, batch, loss_scale=jaxaccum.dynamic_loss_scale())
+    assert isinstance(report, jaxaccum.LossScaleReport) and bool(report.finite)
+    for name, grad in (("W1", grads[0]), ("w2", grads[2])):
+        assert grad.dtype == jnp.float16, grad.dtype
+        loss_scale_tests.assert_within(name, grad, reference[name], tolerance[name])
+    _, unscaled = jax.jit(f16_pipeline(num))(params, batch)
+    assert not np.any(np.asarray(unscaled[0])), unscaled[0]
+
+
+def test_an_overflow_skips_the_pipeline_window():
+    """One overflowing row: the window is not finite, the scale backs off,
+    and select_if_finite keeps the parameters bitwise."""
+    params = f16_pipeline_params()
+    batch = loss_scale_tests.f16_batch(overflow_row=5)
+    scale = jaxaccum.dynamic_loss_scale()
+    step = jax.jit(f16_pipeline(4, loss_scale=True, report_stats=True))
+    (_, grads), report = step(params, batch, loss_scale=scale)
+    assert not bool(report.finite)
+    assert float(report.loss_scale.loss_scale) < float(scale.loss_scale)
+    assert isinstance(report.report, jaxaccum.WindowStats)
+    updated = jax.tree.map(lambda p, g: p - g, params, grads)
+    kept = jaxaccum.select_if_finite(report.finite, updated, params)
+    chex.assert_trees_all_equal(kept, params)
+    with pytest.raises(TypeError, match="keyword argument loss_scale"):
+        step(params, batch)

@@ -1,0 +1,31 @@
+"""Pipeline parallelism: the window's micro-batches are the pipeline's.
+
+GPipe is gradient accumulation whose micro-batches flow through model stages
+placed on different devices. :func:`pipeline_value_and_grad` runs one window
+as one ``lax.scan`` of ``M R + S - 1`` ticks under ``jax.shard_map``, manual
+over the stage axis (and the data axis, if any). At tick ``t`` the device of
+stage ``d`` runs iteration ``i = t - d``: micro-batch ``i mod M`` through its
+stage of repeat ``i // M``, on the activation its neighbour handed it at tick
+``t - 1`` (``lax.ppermute``). The first stage's device embeds every
+micro-batch before the loop, the last stage's takes every loss after it (one
+``lax.cond`` each); the backward pass is autodiff through the scan (the
+transpose of a ``ppermute`` is the reverse ``ppermute``). The window is the
+pipeline, so fill and drain are paid once per optimizer step, not once per
+accumulation step as when a pipeline is nested inside accumulation.
+
+Bubbles (ticks ``i < 0`` or ``i >= M R``) compute on a fill value and are
+masked with ``jnp.where`` (a select, never a product): their stage input is
+the fill, their cotangents are selected away (:func:`_gated_stage`), and
+nothing they compute reaches the loss, so a NaN made in a bubble cannot reach
+a gradient.
+
+The package, one concept per module: ``_schedule`` (the ticks: which
+micro-batch and stage each device runs when), ``_calls`` (the user's
+functions as the loop calls them: dtypes, keys, remat, gated gradients),
+``_loop`` (one device's window: embed, the ticks, the losses), ``_layout``
+(the mesh, the stacked stages, FSDP, the call's checks), ``_stats`` (the
+window's statistics from the probes) and ``_step`` (the front end:
+differentiation, the loss scale, normalisation).
+"""
+
+from jaxaccum._pipeline._step import pipeline_value_and_grad as pipeline_value_and_grad

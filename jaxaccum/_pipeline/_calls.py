@@ -1,0 +1,213 @@
+"""The user's functions as the pipeline's loop calls them: parameters cast
+back to their own dtypes, keys passed where taken, remat, and the stage's
+gated backward pass (a bubble's gradient selected away, never multiplied)."""
+
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxaccum._noise_scale import squared_norm
+from jaxaccum._options import AccumOptions
+from jaxaccum._window import accum_dtype_for, weighted_pair
+
+
+class LossOut(NamedTuple):
+    """One micro-batch's loss as the window sums it (float32 by default).
+
+    Attributes:
+      loss: its mean loss (``"mean"``), loss sum (``"sum"``, ``"weighted"``).
+      weight: its weight with ``"weighted"``, else ``()``.
+      aux: its aux output with ``has_aux``, else ``()``.
+    """
+
+    loss: jax.Array
+    weight: Any
+    aux: Any
+
+
+class Calls(NamedTuple):
+    """The user's functions as the window calls them, parameters arriving in
+    the accumulation dtype (cast back to their own here) and keys passed as
+    ``key=`` where the step has one.
+
+    Attributes:
+      embed: ``embed(params, micro_batch, key) -> x`` (rematerialised with
+        ``remat``).
+      stage: ``stage(stages, own, repeat, valid, probe, x, key) -> x``: the
+        device's stage of ``repeat`` (its slice of ``own``, the ``stages``
+        in their own dtype) on ``x``, its gradient selected away unless
+        ``valid`` and accumulated in ``stages``' dtype (see
+        :func:`_gated_stage`). Never saves the slice for the backward pass
+        (a copy of a stage's parameters per tick); with ``remat``, saves what
+        its policy says (nothing: ``True``).
+      loss: ``loss(params, x, micro_batch, key) -> LossOut`` (rematerialised
+        with ``remat``).
+      own_stages: ``own_stages(stages)``, the stacked stage parameters cast
+        to their own dtype (no gradient: ``stage`` routes it to ``stages``).
+    """
+
+    embed: Callable[..., Any]
+    stage: Callable[..., Any]
+    loss: Callable[..., LossOut]
+    own_stages: Callable[[Any], Any]
+
+
+def takes_key(fn: Callable[..., Any] | None) -> bool:
+    """Whether ``fn`` takes a keyword argument ``key`` (or ``**kwargs``)."""
+    if fn is None:
+        return False
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a C function)
+        return False
+    return any(
+        p.name == "key"
+        and p.kind is not inspect.Parameter.POSITIONAL_ONLY
+        or p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in parameters
+    )
+
+
+def _keyword(fn: Callable[..., Any] | None, key: Any) -> dict:
+    """``{"key": key}`` for a function that takes it and a key, else ``{}``."""
+    return {"key": key} if key is not None and takes_key(fn) else {}
+
+
+def _as_loss_out(out: Any, options: AccumOptions) -> LossOut:
+    """``loss_fn``'s result as a :class:`LossOut` in the accumulation dtype."""
+    loss, aux = out if options.has_aux else (out, ())
+    weight: Any = ()
+    if options.reduction == "weighted":
+        loss, weight = weighted_pair(loss, "loss_fn")
+        weight = jnp.asarray(weight).astype(options.accum_dtype or jnp.float32)
+    loss = jnp.asarray(loss)
+    dtype = accum_dtype_for(loss.dtype, options.accum_dtype)
+    aux = jax.tree.map(
+        lambda leaf: jnp.asarray(leaf).astype(
+            accum_dtype_for(jnp.result_type(leaf, jnp.float32), options.accum_dtype)
+        ),
+        aux,
+    )
+    return LossOut(loss.astype(dtype), weight, aux)
+
+
+# Operations that only move or retype data: their results are recomputed in
+# the backward pass, never saved. The tick's slice of the device's stages
+# comes out of a chain of them, and saving it would keep a copy of a stage's
+# parameters per tick; in an activation's chain, their input is saved instead.
+_RECOMPUTED = (
+    lax.dynamic_slice_p,
+    lax.slice_p,
+    lax.reshape_p,
+    lax.squeeze_p,
+    lax.broadcast_in_dim_p,
+    lax.transpose_p,
+    lax.convert_element_type_p,
+    lax.copy_p,
+)
+
+
+def _stage_policy(remat: Any) -> Callable[..., bool]:
+    """The stage's checkpoint policy: everything saveable except the data
+    movement of :data:`_RECOMPUTED` (so the tick's parameters are sliced
+    again in the backward pass, not saved per tick); with ``remat``, only
+    what its policy saves (nothing, for ``True``)."""
+
+    def saveable(prim: Any, *_: Any, **__: Any) -> bool:
+        return prim not in _RECOMPUTED
+
+    if not remat:
+        return saveable
+    user = jax.checkpoint_policies.nothing_saveable if remat is True else remat
+
+    def policy(prim: Any, *args: Any, **kwargs: Any) -> bool:
+        return saveable(prim) and user(prim, *args, **kwargs)
+
+    return policy
+
+
+def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., Any]:
+    """``stage(own, repeat, x, key)`` as ``gated(accum, own, repeat, valid,
+    probe, x, key)``, whose backward pass selects its cotangents away unless
+    ``valid`` (a bubble's gradient is 0, even where what it computed on gives
+    NaN or inf derivatives: ``0 * inf`` is not 0) and casts the parameters'
+    up to ``accum``'s dtype (the gradient accumulates there across ticks).
+    ``own`` is ``accum`` in the parameters' own dtype, cast once before the
+    loop: no forward operation touches the parameters per tick. With a
+    ``probe``, its cotangent is the squared norm of the (gated) gradient."""
+
+    @jax.custom_vjp
+    def gated(accum, own, repeat, valid, probe, x, key):
+        del accum, valid, probe
+        return stage(own, repeat, x, key)
+
+    def forward(accum, own, repeat, valid, probe, x, key):
+        del accum
+        y, pullback = jax.vjp(lambda p, x: stage(p, repeat, x, key), own, x)
+        return y, (pullback, valid, probe)
+
+    def backward(residuals, cotangent):
+        pullback, valid, probe = residuals
+        own_grad, x_grad = pullback(cotangent)
+        grad = jax.tree.map(
+            lambda g: jnp.where(
+                valid, g.astype(accum_dtype_for(g.dtype, accum_dtype)), 0
+            ),
+            own_grad,
+        )
+        probe_grad = (
+            None if probe is None else jnp.zeros_like(probe) + squared_norm(grad)
+        )
+        x_grad = jax.tree.map(lambda g: jnp.where(valid, g, 0), x_grad)
+        return grad, None, None, None, probe_grad, x_grad, None
+
+    gated.defvjp(forward, backward)
+    return gated
+
+
+def make_calls(
+    stage_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any],
+    embed_fn: Callable[..., Any] | None,
+    options: AccumOptions,
+    like: tuple,
+) -> Calls:
+    """The window's :class:`Calls`; ``like`` holds ``(embed, one stage's,
+    head)`` parameters in their own dtypes (what each call casts back to)."""
+    embed_like, stage_like, head_like = like
+
+    def embed(params, micro_batch, key):
+        if embed_fn is None:
+            return micro_batch
+        params = optax.tree.cast_like(params, embed_like)
+        return embed_fn(params, micro_batch, **_keyword(embed_fn, key))
+
+    def stage(own, repeat, x, key):
+        params = jax.tree.map(
+            lambda p: lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False), own
+        )
+        return stage_fn(params, x, **_keyword(stage_fn, key))
+
+    def own_stages(stages):
+        stacked = jax.tree.map(lambda p, s: p.astype(s.dtype), stages, stage_like)
+        return lax.stop_gradient(stacked)
+
+    def loss(params, x, micro_batch, key):
+        params = optax.tree.cast_like(params, head_like)
+        out = loss_fn(params, x, micro_batch, **_keyword(loss_fn, key))
+        return _as_loss_out(out, options)
+
+    stage_policy = _stage_policy(options.remat)
+    stage = _gated_stage(
+        jax.checkpoint(stage, policy=stage_policy), options.accum_dtype
+    )
+    if options.remat:
+        policy = None if isinstance(options.remat, bool) else options.remat
+        embed = jax.checkpoint(embed, policy=policy)
+        loss = jax.checkpoint(loss, policy=policy)
+    return Calls(embed, stage, loss, own_stages)

@@ -1,0 +1,309 @@
+"""One device's window under ``shard_map``: the first stage embeds every
+micro-batch, the ticks run (activations handed on by ``ppermute``,
+recirculated for ``repeats > 1``), the last stage takes every loss."""
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxaccum import _split
+from jaxaccum._noise_scale import squared_norm
+from jaxaccum._options import AccumOptions
+from jaxaccum._pipeline._calls import Calls, LossOut
+from jaxaccum._pipeline._schedule import Schedule
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``jnp.where`` leaf by leaf: a select, so a NaN in the branch not taken
+    reaches neither the value nor, in the backward pass, the cotangent."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _varying(tree: Any, axes: tuple[str, ...]) -> Any:
+    """``tree`` typed as varying over every axis of ``axes``. Parameters
+    cast before the loop have their gradients all-reduced once, after it, by
+    the transpose of this cast (were it left to JAX, inside the loop, the
+    reduction could land there: once per tick)."""
+
+    def cast(x: Any) -> Any:
+        varying = jax.typeof(x).manual_axis_type.varying
+        missing = tuple(a for a in axes if a not in varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+@jax.custom_vjp
+def _probe(tree: Any, probe: jax.Array) -> Any:
+    """``tree`` unchanged; in the backward pass the cotangent of ``probe``
+    is the float32 squared norm of ``tree``'s (``report_stats``)."""
+    del probe
+    return tree
+
+
+def _probe_fwd(tree: Any, probe: jax.Array) -> tuple[Any, jax.Array]:
+    return tree, probe
+
+
+def _probe_bwd(probe: jax.Array, cotangent: Any) -> tuple[Any, jax.Array]:
+    return cotangent, jnp.zeros_like(probe) + squared_norm(cotangent)
+
+
+_probe.defvjp(_probe_fwd, _probe_bwd)
+
+
+class Probes(NamedTuple):
+    """Zeros whose gradients are squared norms of parameter gradients: per
+    micro-batch of its embedding's and its head's, per tick of the stage's.
+    Each ``(S, D, M)``, ``(S, D, T)``, ``(S, D, M)`` over the devices."""
+
+    embed: jax.Array
+    stage: jax.Array
+    head: jax.Array
+
+
+class Shapes(NamedTuple):
+    """The shapes of one micro-batch's activation ``x`` and loss."""
+
+    x: Any
+    loss: LossOut
+
+
+class _Device(NamedTuple):
+    """What one device's window reads, fixed over the window."""
+
+    calls: Calls
+    options: AccumOptions
+    schedule: Schedule
+    stage: jax.Array
+    embed: Any
+    stages: Any
+    own_stages: Any
+    head: Any
+    batch: _split.StridedBatch
+    keys: Any
+    fill: Any
+    no_loss: LossOut
+
+
+class _Carry(NamedTuple):
+    """The scan carry of a device.
+
+    Attributes:
+      incoming: the activation the previous stage's device handed over.
+      waiting: with ``R > 1`` and ``M > S``, activations that left the last
+        stage, waiting for the first stage's next repeat (a ring buffer of
+        ``M - S``), else ``()``.
+    """
+
+    incoming: Any
+    waiting: Any
+
+
+def _microbatch_key(device: _Device, index: Any, layer: Any) -> Any:
+    """The key of micro-batch ``index`` at model stage ``layer`` (``S R``
+    for the embedding, ``S R + 1`` for the loss), None without a key."""
+    if device.keys is None:
+        return None
+    return jax.random.fold_in(device.keys[index], layer)
+
+
+def _map(fn: Callable[..., Any], xs: tuple, unroll: int | bool) -> Any:
+    """``fn(*x)`` for each ``x`` of ``xs`` (split on axis 0), stacked: a scan."""
+    return lax.scan(lambda _, x: (None, fn(*x)), None, xs, unroll=unroll)[1]
+
+
+def _embedded(device: _Device, probes: jax.Array | None) -> Any:
+    """``(M, ...)``: every micro-batch embedded, on the first stage's device
+    (the fill elsewhere), before the loop: one conditional per window."""
+    num, schedule = device.schedule.num_microbatches, device.schedule
+    layers = schedule.num_stages * schedule.repeats
+
+    def embed_one(index, probe):
+        params = device.embed if probe is None else _probe(device.embed, probe)
+        micro = device.batch.microbatch(index)
+        return device.calls.embed(params, micro, _microbatch_key(device, index, layers))
+
+    def embed_all():
+        out = _map(embed_one, (jnp.arange(num), probes), device.options.unroll)
+        return _varying(out, device.options.layout.manual_axes)
+
+    fills = _repeated(device.fill, num)
+    return lax.cond(device.stage == 0, embed_all, lambda: fills)
+
+
+def _losses(device: _Device, leaving: Any, probes: jax.Array | None) -> LossOut:
+    """Each micro-batch's :class:`LossOut` (stacked), from its activation
+    leaving the last stage, on the last stage's device (zeros elsewhere),
+    after the loop: one conditional per window."""
+    num, schedule = device.schedule.num_microbatches, device.schedule
+    layers = schedule.num_stages * schedule.repeats
+
+    def loss_one(index, x, probe):
+        params = device.head if probe is None else _probe(device.head, probe)
+        micro = device.batch.microbatch(index)
+        key = _microbatch_key(device, index, layers + 1)
+        return device.calls.loss(params, x, micro, key)
+
+    def loss_all():
+        xs = (jnp.arange(num), leaving, probes)
+        out = _map(loss_one, xs, device.options.unroll)
+        return _varying(out, device.options.layout.manual_axes)
+
+    zeros = _repeated(device.no_loss, num)
+    return lax.cond(device.stage == schedule.num_stages - 1, loss_all, lambda: zeros)
+
+
+def _recirculated(device: _Device, carry: _Carry, tick_index: jax.Array):
+    """The activation that left the last stage ``M`` iterations ago (the
+    first stage's input for its next repeat), and the updated buffer."""
+    delay = device.schedule.recirculation_delay
+    if delay == 0:
+        return carry.incoming, carry.waiting
+    slot = tick_index % delay
+    out = jax.tree.map(
+        lambda b: lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), carry.waiting
+    )
+    waiting = jax.tree.map(
+        lambda b, x: lax.dynamic_update_index_in_dim(b, x, slot, 0),
+        carry.waiting,
+        carry.incoming,
+    )
+    return out, waiting
+
+
+def _tick(device: _Device, carry: _Carry, xs: tuple) -> tuple[_Carry, Any]:
+    """One tick of one device: its stage on its input (the fill in a
+    bubble), the result handed to the next stage's device; returns the
+    result where a micro-batch leaves the last stage (the fill elsewhere)."""
+    tick_index, entering, probe = xs
+    schedule = device.schedule
+    tick = schedule.at(tick_index, device.stage)
+    first, waiting = entering, carry.waiting
+    if schedule.repeats > 1:
+        recirculated, waiting = _recirculated(device, carry, tick_index)
+        first = _select(tick.repeat == 0, entering, recirculated)
+    x = _select(device.stage == 0, first, carry.incoming)
+    x = _select(tick.valid, x, device.fill)
+    with jax.named_scope("jaxaccum_pipeline_stage"):
+        key = _microbatch_key(device, tick.microbatch, tick.layer)
+        y = device.calls.stage(
+            device.stages, device.own_stages, tick.repeat, tick.valid, probe, x, key
+        )
+    num = schedule.num_stages
+    ring = [(d, d + 1) for d in range(num - 1)]
+    if schedule.repeats > 1:
+        ring.append((num - 1, 0))
+    incoming = lax.ppermute(y, device.options.layout.stage_axis, ring)
+    return _Carry(incoming, waiting), _select(tick.exits, y, device.fill)
+
+
+def _repeated(tree: Any, count: int) -> Any:
+    """``tree``'s leaves stacked ``count`` times on a new axis 0."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), tree)
+
+
+def _fill_like(shapes: Any, value: float) -> Any:
+    """Arrays of ``shapes`` holding ``value`` (0 in non-float leaves)."""
+
+    def full(s: Any) -> jax.Array:
+        inexact = jnp.issubdtype(s.dtype, jnp.inexact)
+        return jnp.full(s.shape, value if inexact else 0, s.dtype)
+
+    return jax.tree.map(full, shapes)
+
+
+def _microbatch_keys(key: Any, options: AccumOptions, num: int) -> Any:
+    """Micro-batch ``k``'s key is ``split(key, M)[k]``, after folding in the
+    data shard's index: the same for every tick and stage that carries it."""
+    if key is None:
+        return None
+    if options.layout.data_axis:
+        key = jax.random.fold_in(key, lax.axis_index(options.layout.data_axis))
+    return jax.random.split(key, num)
+
+
+def _run_ticks(device: _Device, entering: Any, probes: jax.Array | None) -> Any:
+    """The loop: ``T`` ticks; returns ``(M, ...)``, each micro-batch's
+    activation as it left the last stage (on the last stage's device).
+
+    Entering and leaving activations are the scan's inputs and outputs,
+    indexed by tick, not buffers indexed by micro-batch in the carry (whose
+    transposes would add a whole buffer per tick).
+    """
+    schedule, num = device.schedule, device.schedule.num_microbatches
+    ticks = schedule.num_ticks
+    pad = _repeated(device.fill, ticks - num)
+    entering = jax.tree.map(lambda e, p: jnp.concatenate([e, p]), entering, pad)
+    delay = schedule.recirculation_delay
+    fill = device.fill
+    waiting = _repeated(fill, delay) if delay else ()
+    _, leaving = lax.scan(
+        functools.partial(_tick, device),
+        _Carry(fill, waiting),
+        (jnp.arange(ticks), entering, probes),
+        unroll=device.options.unroll,
+    )
+    first_exit = num * (schedule.repeats - 1) + schedule.num_stages - 1
+    return jax.tree.map(lambda y: y[first_exit : first_exit + num], leaving)
+
+
+def on_device(
+    calls: Calls,
+    options: AccumOptions,
+    schedule: Schedule,
+    shapes: Shapes,
+    fsdp_dims: tuple,
+    bubble_fill: float,
+    params: tuple,
+    probes: Probes | None,
+    batch: Any,
+    key: Any,
+) -> tuple[jax.Array, tuple[LossOut, LossOut]]:
+    """One device's window under ``shard_map``.
+
+    Returns the loss sum (differentiated), and the :class:`LossOut` summed
+    over micro-batches and devices and, per micro-batch, the loss and weight
+    (``(1, 1, M)`` per device, for the stats).
+    """
+    axes = options.layout.manual_axes
+    embed, stages, head = params
+    stages = jax.tree.map(lambda p: p[:, 0], stages)  # (R, ...): this device's
+    # FSDP leaves gathered once, before the loop: reduce-scattered once after.
+    embed, stages, head = jax.tree.map(
+        lambda p, dim: (
+            p
+            if dim < 0
+            else lax.all_gather(p, options.layout.data_axis, axis=dim, tiled=True)
+        ),
+        (embed, stages, head),
+        fsdp_dims,
+    )
+    embed, stages, head = _varying((embed, stages, head), axes)
+    device = _Device(
+        calls=calls,
+        options=options,
+        schedule=schedule,
+        stage=lax.axis_index(options.layout.stage_axis),
+        embed=embed,
+        stages=stages,
+        own_stages=calls.own_stages(stages),
+        head=head,
+        batch=_split.strided_batch(batch, schedule.num_microbatches),
+        keys=_microbatch_keys(key, options, schedule.num_microbatches),
+        fill=_varying(_fill_like(shapes.x, bubble_fill), axes),
+        no_loss=_varying(_fill_like(shapes.loss, 0.0), axes),
+    )
+    if probes is not None:
+        probes = jax.tree.map(lambda p: p.reshape(-1), probes)
+    entering = _embedded(device, None if probes is None else probes.embed)
+    leaving = _run_ticks(device, entering, None if probes is None else probes.stage)
+    per_micro = _losses(device, leaving, None if probes is None else probes.head)
+    sums = lax.psum(jax.tree.map(lambda x: jnp.sum(x, 0), per_micro), axes)
+    per_micro = per_micro._replace(aux=())
+    per_micro = jax.tree.map(lambda y: y.reshape(1, 1, *y.shape), per_micro)
+    return sums.loss, (sums, per_micro)

@@ -1,0 +1,57 @@
+"""The pipeline's :class:`jaxaccum.WindowStats`: each micro-batch's squared
+gradient norm, whole although the pipeline computes it in pieces (its
+embedding's, each stage's at its tick, its head's), read off the probes'
+cotangents."""
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
+from jaxaccum._options import AccumOptions
+from jaxaccum._pipeline._layout import Prepared, place
+from jaxaccum._pipeline._schedule import Schedule
+
+
+def tick_microbatches(schedule: Schedule) -> np.ndarray:
+    """``(S, T, M)`` bool: which micro-batch device ``d`` carries at tick ``t``."""
+    stage = np.arange(schedule.num_stages)[:, None]
+    iteration = np.arange(schedule.num_ticks)[None, :] - stage
+    valid = (iteration >= 0) & (
+        iteration < schedule.num_microbatches * schedule.repeats
+    )
+    micro = np.where(valid, iteration % schedule.num_microbatches, -1)
+    return micro[..., None] == np.arange(schedule.num_microbatches)
+
+
+def pipeline_stats(raw: Any, prepared: Prepared, options: AccumOptions) -> WindowStats:
+    """:class:`WindowStats` of a window's raw sums ``raw`` (its ``probes``,
+    ``per_micro`` and ``grads``) from each micro-batch piece's (data shard ``j``,
+    micro-batch ``k``) squared gradient norm: its embedding's, its stages'
+    and its head's, each taken at the one tick that computed it."""
+    schedule, num = prepared.schedule, prepared.schedule.num_microbatches
+    # Per (stage, shard, tick), a few floats: replicated, to be sliced.
+    probes, per_micro = place(
+        (raw.probes, raw.per_micro), prepared.mesh, PartitionSpec()
+    )
+    assert probes is not None
+    carries = jnp.asarray(tick_microbatches(schedule))[:, None]  # (S, 1, T, M)
+    stage_sq = jnp.sum(jnp.where(carries, probes.stage[..., None], 0.0), (0, 2))
+    piece_sq = probes.embed[0] + stage_sq + probes.head[-1]
+    losses = per_micro.loss[-1]
+    if options.reduction == "weighted":
+        weight = per_micro.weight[-1].astype(jnp.float32)
+    else:
+        weight = jnp.full(piece_sq.shape, prepared.rows, jnp.float32)
+    finite = jnp.isfinite(losses) & jnp.isfinite(piece_sq)
+    micro = MicroStats(finite.reshape(-1), piece_sq.reshape(-1), weight.reshape(-1))
+    stats = window_stats(micro, squared_norm(raw.grads), options.reduction, ())
+    by_shard = functools.partial(jnp.reshape, shape=(prepared.shards, num))
+    return stats._replace(
+        microbatch_grad_sq_norm=jnp.mean(by_shard(stats.microbatch_grad_sq_norm), 0),
+        small_batch=jnp.sum(by_shard(stats.small_batch), 0),
+        microbatch_finite=jnp.all(by_shard(stats.microbatch_finite), 0),
+    )
