@@ -348,6 +348,15 @@ class AccumOptions:
             self._check_pipeline()
 
     def _check_pipeline(self) -> None:
+        for name in ("param_gather", "grad_reduce"):
+            if getattr(self, name) == "microbatch":
+                raise ValueError(
+                    f"{name}='microbatch' does not apply to a pipeline: a "
+                    "stage's device runs every micro-batch's ticks of its "
+                    "stages, so FSDP parameters are gathered once per window, "
+                    "before the loop, and their gradients reduce-scattered "
+                    "once, after it. Use 'window' (or 'auto')."
+                )
         if self.aux_reduction not in PIPELINE_AUX_REDUCTIONS:
             raise ValueError(
                 f"aux_reduction must be one of {PIPELINE_AUX_REDUCTIONS} in a "
@@ -502,9 +511,10 @@ _PIPELINE_ROLES = (
     "batch split into micro-batches, the key split per micro-batch."
 )
 _PIPELINE_FSDP = (
-    "the pipeline plans FSDP itself: a parameter sharded over data_axis is "
-    "gathered once per window, before the loop, and its gradient "
-    "reduce-scattered once after it."
+    "a pipeline casts its parameters to the accumulation dtype before the "
+    "loop (their gradients accumulate over the ticks there) and gathers FSDP "
+    "parameters once per window in it; accum_dtype=None gathers them in "
+    "their own dtype."
 )
 # What the core takes that a pipeline cannot, each with why.
 PIPELINE_REFUSED: dict[str, str] = {
@@ -524,13 +534,7 @@ PIPELINE_REFUSED: dict[str, str] = {
         "the schedule's ticks are fixed when it is compiled: build a step "
         "per window length."
     ),
-    "param_gather": _PIPELINE_FSDP,
-    "grad_reduce": _PIPELINE_FSDP,
     "gather_dtype": _PIPELINE_FSDP,
-    "report_finite": (
-        "report_stats=True returns the finite flags (WindowStats."
-        "microbatch_finite and .finite) with the statistics."
-    ),
 }
 
 

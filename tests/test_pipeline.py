@@ -348,8 +348,7 @@ def test_bad_options_fail_at_construction(options, match):
         {"masked": True},
         {"state_argnums": 2},
         {"argnums": 1},
-        {"param_gather": "window"},
-        {"report_finite": True},
+        {"gather_dtype": jnp.bfloat16},
     ],
     ids=lambda option: next(iter(option)),
 )
@@ -361,6 +360,34 @@ def test_what_a_pipeline_cannot_do_is_refused_with_why(option):
         TypeError, match=f"pipeline_value_and_grad does not take {name}: "
     ):
         build(**option)
+
+
+def test_report_finite_names_the_micro_batch():
+    """``report_finite``: micro-batch k (rows k, k + M, ...) is not finite
+    exactly where one of its rows is inf; a clean window is finite."""
+    params, batch = one_device_case(1)
+    step = jax.jit(build(report_finite=True))
+    _, report = step(params, batch)
+    assert isinstance(report, jaxaccum.FiniteReport)
+    assert report.microbatch_finite.tolist() == [True] * NUM and bool(report.finite)
+    poisoned = {**batch, "x": batch["x"].at[NUM + 2].set(jnp.inf)}  # micro-batch 2
+    _, report = step(params, poisoned)
+    expected = [k != 2 for k in range(NUM)]
+    assert report.microbatch_finite.tolist() == expected and not bool(report.finite)
+
+
+@pytest.mark.parametrize("name", ["param_gather", "grad_reduce"])
+def test_fsdp_modes_are_the_cores_and_microbatch_is_refused(name):
+    """FSDP inside a stage is the core's plan: ``"window"`` and ``"auto"``
+    are the pipeline's one schedule (the same numbers); ``"microbatch"``
+    does not apply, and says why."""
+    params, batch = one_device_case(1)
+    expected = jax.jit(build())(params, batch)
+    for mode in ("window", "auto"):
+        got = jax.jit(build(**{name: mode}))(params, batch)
+        chex.assert_trees_all_equal(got, expected)
+    with pytest.raises(ValueError, match=f"{name}='microbatch' does not apply"):
+        build(**{name: "microbatch"})
 
 
 @pytest.mark.parametrize("unroll", [1.5, "2", None, 0])

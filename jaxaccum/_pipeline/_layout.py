@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxaccum import _split
+from jaxaccum import _metadata, _split
+from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, LossOut, make_calls
 from jaxaccum._pipeline._loop import Shapes
@@ -164,30 +165,35 @@ def _abstract(tree: Any, one_stage: bool = False) -> Any:
     )
 
 
-def _fsdp_dims(params: tuple, data_axis: str | None) -> tuple:
-    """Per leaf, the dimension an Explicit mesh shards it over ``data_axis``
-    on, or -1 (a stage leaf's stacking axis cannot be)."""
-
-    def dim_of(path: Any, leaf: Any) -> int:
+def _fsdp_dims(params: tuple, options: AccumOptions) -> tuple:
+    """Like ``params``, per leaf the dimension it is sharded over the data
+    axis on (FSDP: gathered once per window, reduce-scattered once), or -1:
+    the core's plan (``_fsdp.shard_plan``, as ``shard_value_and_grad``
+    makes it) of the leaves' Explicit shardings, whose refusals hold here
+    too. A stage leaf's axis 0 stacks the stages: never the data axis's."""
+    data_axis = options.layout.data_axis
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tuple(params))
+    if data_axis is None:
+        return jax.tree.unflatten(treedef, [-1] * len(leaves))
+    specs = []
+    for path, leaf in leaves:
         sharding = _split.explicit_sharding(jax.typeof(leaf))
-        if data_axis is None or sharding is None:
-            return -1
-        dims = [
-            dim
-            for dim, entry in enumerate(sharding.spec)
-            if data_axis in _split.spec_names(entry)
-        ]
-        if dims[:1] == [0] and path[0].idx == 1:
+        spec = PartitionSpec() if sharding is None else sharding.spec
+        if path[0].idx == 1 and spec and data_axis in _split.spec_names(spec[0]):
             raise ValueError(
                 f"stage_params{jax.tree_util.keystr(path[1:])} is sharded "
-                f"{sharding.spec}: its axis 0 stacks the stages, which are "
-                f"placed over the stage axis, not the data axis {data_axis!r}. "
-                "Shard a stage parameter over the data axis (FSDP) on another "
+                f"{spec}: its axis 0 stacks the stages, which are placed over "
+                f"the stage axis, not the data axis {data_axis!r}. Shard a "
+                "stage parameter over the data axis (FSDP) on another "
                 "dimension, e.g. P('stage', 'data')."
             )
-        return dims[0] if dims else -1
-
-    return jax.tree_util.tree_map_with_path(dim_of, tuple(params))
+        specs.append(spec)
+    plan = shard_plan(
+        dataclasses.replace(options, data_axes=(data_axis,), param_specs=tuple(specs)),
+        metadata=tuple(_metadata.is_metadata(path, leaf) for path, leaf in leaves),
+    )
+    assert plan is not None  # it has a data axis
+    return jax.tree.unflatten(treedef, [-1 if d is None else d for d in plan.dims])
 
 
 class Prepared(NamedTuple):
@@ -253,7 +259,7 @@ def prepare(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
         shards,
         options.layout.stage_axis,
         like,
-        _fsdp_dims((embed, stages, head), options.layout.data_axis),
+        _fsdp_dims((embed, stages, head), options),
     )
 
 

@@ -48,7 +48,10 @@ def pipeline_stats(raw: Any, prepared: Prepared, options: AccumOptions) -> Windo
         weight = jnp.full(piece_sq.shape, prepared.rows, jnp.float32)
     finite = jnp.isfinite(losses) & jnp.isfinite(piece_sq)
     micro = MicroStats(finite.reshape(-1), piece_sq.reshape(-1), weight.reshape(-1))
-    stats = window_stats(micro, squared_norm(raw.grads), options.reduction, ())
+    # window_stats normalises the squared norm of the window's gradient sum.
+    positive = raw.share > 0
+    sum_sq = squared_norm(raw.grads) / jnp.where(positive, raw.share, 1) ** 2
+    stats = window_stats(micro, jnp.where(positive, sum_sq, 0), options.reduction, ())
     by_shard = functools.partial(jnp.reshape, shape=(prepared.shards, num))
     return stats._replace(
         microbatch_grad_sq_norm=jnp.mean(by_shard(stats.microbatch_grad_sq_norm), 0),

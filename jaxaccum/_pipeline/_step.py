@@ -40,7 +40,7 @@ from jaxaccum._pipeline._loop import Probes, on_device
 from jaxaccum._pipeline._schedule import schedule_on
 from jaxaccum._pipeline._stats import pipeline_stats
 from jaxaccum._reduce import divide_by_total_weight
-from jaxaccum._window import accum_dtype_for
+from jaxaccum._window import FiniteReport, accum_dtype_for
 
 
 class _Raw(NamedTuple):
@@ -52,7 +52,10 @@ class _Raw(NamedTuple):
         ``(S, D, M)`` (the last stage's device's are the losses).
       grads: the gradient of the loss sum, ``(embed, stages, head)``, the
         stages in their ``(R, S, ...)`` layout, in the accumulation dtype.
-      probes: with ``report_stats``, the per-tick squared norms, else None.
+      probes: with ``report_stats`` or ``report_finite``, the per-tick
+        squared norms, else None.
+      share: what the loss sum was multiplied by before the backward pass
+        (:func:`_window_share`): ``grads`` is the window's gradient.
       finite: with a loss scale, whether the sums and gradients (unscaled,
         reduced over every stage and data shard) are all finite, else None.
     """
@@ -61,14 +64,42 @@ class _Raw(NamedTuple):
     per_micro: LossOut
     grads: tuple
     probes: Probes | None
+    share: jax.Array
     finite: jax.Array | None = None
+
+
+def _window_share(
+    options: AccumOptions, num_means: int, weight: Any, dtype: Any = jnp.float32
+) -> jax.Array:
+    """What the window's loss sum is multiplied by before its backward pass,
+    so that every cotangent is the big batch's (as the core's
+    ``microbatch_share``): ``1 / (M D)`` for a mean, ``1`` for a sum, and
+    ``1 / W`` for a weighted loss. Every forward pass of a pipelined window
+    runs before its backward pass, so the window's total weight ``W`` is
+    known and the share is exact however unevenly the weight falls (0 for a
+    window of weight 0, whose gradient is then 0). In ``dtype``, the loss
+    sum's, at least float32."""
+    if options.reduction == "sum":
+        return jnp.ones((), dtype)
+    if options.reduction == "mean":
+        return jnp.asarray(1 / num_means, dtype)
+    weight = jnp.asarray(weight, dtype)
+    positive = weight > 0
+    return lax.stop_gradient(jnp.where(positive, 1 / jnp.where(positive, weight, 1), 0))
+
+
+def _probed(options: AccumOptions) -> bool:
+    """Whether the window probes each micro-batch's gradient (its squared
+    norm, and so whether it is finite)."""
+    return options.report_stats or options.report_finite
 
 
 def _probes(
     prepared: Prepared, options: AccumOptions
 ) -> tuple[Probes | None, PartitionSpec | None]:
-    """With ``report_stats``, the :class:`Probes` (zeros) and their spec."""
-    if not options.report_stats:
+    """With ``report_stats`` or ``report_finite``, the :class:`Probes`
+    (zeros) and their spec."""
+    if not _probed(options):
         return None, None
     schedule = prepared.schedule
     devices = (schedule.num_stages, prepared.shards)
@@ -142,25 +173,35 @@ def _differentiate(
         axis_names=set(options.layout.manual_axes),
     )
 
+    num_means = schedule.num_microbatches * prepared.shards
+
     def differentiated(p, q):
         total, out = run(p, q, batch, key)
+        dtype = jnp.promote_types(jnp.result_type(total), jnp.float32)
+        total = total * _window_share(options, num_means, out[0].weight, dtype)
         return (total if loss_scale is None else scale_loss(total, loss_scale)), out
 
-    argnums = (0, 1) if options.report_stats else 0
+    argnums = (0, 1) if _probed(options) else 0
     (_, (sums, per_micro)), grads = jax.value_and_grad(
         differentiated, argnums, has_aux=True
     )((embed, stages, head), probes)
-    grads, probe_grads = grads if options.report_stats else (grads, None)
-    if loss_scale is None:
-        return _Raw(sums, per_micro, grads, probe_grads)
-    grads, probe_grads = jax.tree.map(
-        lambda g: unscale(g, loss_scale).astype(g.dtype), (grads, probe_grads)
+    grads, probe_grads = grads if _probed(options) else (grads, None)
+    dtype = jnp.promote_types(jnp.result_type(sums.loss), jnp.float32)
+    share = _window_share(options, num_means, sums.weight, dtype)
+    # A probe is a squared norm: divided by the share twice (not by its
+    # square, which underflows float32 sooner), and by the loss scale twice.
+    probe_grads = jax.tree.map(
+        lambda q: jnp.where(share > 0, q / jnp.where(share > 0, share, 1) ** 2, 0),
+        probe_grads,
     )
-    # A probe is a squared norm: unscaled once more (twice, not by the
-    # square, which overflows float32 from a scale of 2**64).
-    probe_grads = jax.tree.map(lambda q: unscale(q, loss_scale), probe_grads)
+    if loss_scale is None:
+        return _Raw(sums, per_micro, grads, probe_grads, share)
+    grads = jax.tree.map(lambda g: unscale(g, loss_scale).astype(g.dtype), grads)
+    probe_grads = jax.tree.map(
+        lambda q: unscale(unscale(q, loss_scale), loss_scale), probe_grads
+    )
     finite = tree_finite((sums.loss, sums.weight, grads))
-    return _Raw(sums, per_micro, grads, probe_grads, finite)
+    return _Raw(sums, per_micro, grads, probe_grads, share, finite)
 
 
 def _like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
@@ -192,15 +233,14 @@ def _like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
 def _normalize(raw: _Raw, prepared: Prepared, options: AccumOptions):
     """The window's value, aux and gradients (accumulation dtype) from its
     sums: means over the ``M D`` micro-batch pieces, sums as they are,
-    weighted sums over the window's total weight."""
+    weighted sums over the window's total weight (the gradients are already:
+    the loss sum was differentiated at its share)."""
     num_means = prepared.schedule.num_microbatches * prepared.shards
-    totals = (raw.sums.loss, raw.grads)
+    value, grads = raw.sums.loss, raw.grads
     if options.reduction == "weighted":
-        value, grads = divide_by_total_weight(totals, raw.sums.weight)
+        value = divide_by_total_weight(value, raw.sums.weight)
     elif options.reduction == "mean":
-        value, grads = jax.tree.map(lambda total: total / num_means, totals)
-    else:
-        value, grads = totals
+        value = value / num_means
     aux = raw.sums.aux
     if options.aux_reduction == "mean":
         aux = jax.tree.map(lambda total: total / num_means, aux)
@@ -226,19 +266,30 @@ def _unpack(params: Any) -> tuple:
 
 
 def _refuse_fp8_metadata(params: tuple) -> None:
-    """FP8 metadata is refused: the pipeline averages every leaf and
-    differentiates each micro-batch at its own scale (issue 43 routes it
-    through the window, which maxes the metadata)."""
+    """FP8 metadata is refused: autodiff through the loop sums every leaf's
+    cotangents over the ticks, where the window maxes the metadata."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if _metadata.is_metadata(path, leaf):
             raise ValueError(
                 f"params{jax.tree_util.keystr(path)} is FP8 metadata (Flax's "
                 f"{_metadata.OVERWRITE_WITH_GRADIENT} collection): the pipeline "
-                "would average it like a gradient, where the window's amax "
-                "history is the max over its micro-batches. Pipeline "
-                "FP8-free stages, or accumulate FP8 models with "
+                "would sum its new values over the ticks like a gradient, where "
+                "the window's amax history is the max over its micro-batches. "
+                "Pipeline FP8-free stages, or accumulate FP8 models with "
                 "jaxaccum.value_and_grad or shard_value_and_grad."
             )
+
+
+def _report(raw: _Raw, prepared: Prepared, options: AccumOptions) -> Any:
+    """The window's :class:`WindowStats` (``report_stats``), its
+    :class:`FiniteReport` (``report_finite``: a micro-batch's loss and
+    gradient finite), else ``()``."""
+    if not _probed(options):
+        return ()
+    stats = pipeline_stats(raw, prepared, options)
+    if options.report_finite:
+        return FiniteReport(stats.microbatch_finite, stats.finite)
+    return stats
 
 
 def make_pipeline(
@@ -278,11 +329,11 @@ def make_pipeline(
         value, aux, grads = _normalize(raw, prepared, call)
         grads = _like_params(grads, params, prepared)
         result = ((value, aux), grads) if call.has_aux else (value, grads)
-        stats = pipeline_stats(raw, prepared, call) if call.report_stats else ()
+        report = _report(raw, prepared, call)
         if scale is not None:
             assert raw.finite is not None
-            return result, loss_scale_report(raw.finite, scale, None, stats)
-        return (result, stats) if call.report_stats else result
+            return result, loss_scale_report(raw.finite, scale, None, report)
+        return (result, report) if _probed(call) else result
 
     return step
 
@@ -345,18 +396,27 @@ def pipeline_value_and_grad(
         loop saves only each tick's stage input.
       report_stats: also return a :class:`jaxaccum.WindowStats`, as
         :func:`jaxaccum.shard_value_and_grad` does.
+      report_finite: also return a :class:`jaxaccum.FiniteReport`: per
+        micro-batch, whether its loss and its gradient (every stage's piece)
+        are finite.
       loss_scale: ``True``: the step takes ``loss_scale=`` (the window's
         :class:`jaxaccum.DynamicLossScale`) and multiplies the loss sum by it
         before the backward pass, as :func:`jaxaccum.value_and_grad` does;
         the gradients are unscaled in float32 and the window is finite only if
         every sum and gradient is, over every stage and data shard.
       unroll: passed to ``jax.lax.scan``.
+      param_gather: ``"auto"`` or ``"window"`` (the same): parameters sharded
+        over ``data_axis`` (FSDP, on an Explicit mesh) are gathered once per
+        window, before the loop; ``"microbatch"`` is refused.
+      grad_reduce: ``"auto"`` or ``"window"`` (the same): gradients are
+        reduced (FSDP leaves reduce-scattered) once, after the loop.
 
     Returns:
       ``step(params, batch, key=None)``, ``params = (embed_params,
       stage_params, head_params)`` (each leaf of ``stage_params`` stacking the
       ``S R`` stages on axis 0), returning ``(loss, grads)``, ``((loss, aux),
-      grads)`` with ``has_aux``, ``(that, stats)`` with ``report_stats``, and
+      grads)`` with ``has_aux``, ``(that, stats)`` with ``report_stats``
+      (``report_finite``: a ``FiniteReport``), and
       ``(that, report)`` with ``loss_scale``, ``report`` a
       :class:`jaxaccum.LossScaleReport` (holding the stats, if any).
       Given a PRNG ``key``, each function with a ``key`` parameter gets
