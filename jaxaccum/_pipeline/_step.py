@@ -188,20 +188,27 @@ def _differentiate(
     grads, probe_grads = grads if _probed(options) else (grads, None)
     dtype = jnp.promote_types(jnp.result_type(sums.loss), jnp.float32)
     share = _window_share(options, num_means, sums.weight, dtype)
-    # A probe is a squared norm: divided by the share twice (not by its
-    # square, which underflows float32 sooner), and by the loss scale twice.
-    probe_grads = jax.tree.map(
-        lambda q: jnp.where(share > 0, q / jnp.where(share > 0, share, 1) ** 2, 0),
-        probe_grads,
+    raw = _Raw(sums, per_micro, grads, _unshared(probe_grads, share), share)
+    return raw if loss_scale is None else _unscaled(raw, loss_scale)
+
+
+def _unshared(probes: Probes | None, share: jax.Array) -> Probes | None:
+    """The probes' squared norms of the loss's own gradient: divided by the
+    share twice (not by its square, which underflows sooner)."""
+    positive = share > 0
+    safe = jnp.where(positive, share, 1)
+    return jax.tree.map(lambda q: jnp.where(positive, q / safe / safe, 0), probes)
+
+
+def _unscaled(raw: _Raw, loss_scale: jax.Array) -> _Raw:
+    """``raw`` with its gradients (in their dtype) and probes (twice: squared
+    norms) divided by the loss scale, and whether the window is finite."""
+    grads = jax.tree.map(lambda g: unscale(g, loss_scale).astype(g.dtype), raw.grads)
+    probes = jax.tree.map(
+        lambda q: unscale(unscale(q, loss_scale), loss_scale), raw.probes
     )
-    if loss_scale is None:
-        return _Raw(sums, per_micro, grads, probe_grads, share)
-    grads = jax.tree.map(lambda g: unscale(g, loss_scale).astype(g.dtype), grads)
-    probe_grads = jax.tree.map(
-        lambda q: unscale(unscale(q, loss_scale), loss_scale), probe_grads
-    )
-    finite = tree_finite((sums.loss, sums.weight, grads))
-    return _Raw(sums, per_micro, grads, probe_grads, share, finite)
+    finite = tree_finite((raw.sums.loss, raw.sums.weight, grads))
+    return raw._replace(grads=grads, probes=probes, finite=finite)
 
 
 def _like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
