@@ -176,18 +176,18 @@ def _differentiate(
     num_means = schedule.num_microbatches * prepared.shards
 
     def differentiated(p, q):
-        total, out = run(p, q, batch, key)
+        total, (sums, per_micro) = run(p, q, batch, key)
         dtype = jnp.promote_types(jnp.result_type(total), jnp.float32)
-        total = total * _window_share(options, num_means, out[0].weight, dtype)
-        return (total if loss_scale is None else scale_loss(total, loss_scale)), out
+        share = _window_share(options, num_means, sums.weight, dtype)
+        total = total * share
+        total = total if loss_scale is None else scale_loss(total, loss_scale)
+        return total, (sums, per_micro, share)
 
     argnums = (0, 1) if _probed(options) else 0
-    (_, (sums, per_micro)), grads = jax.value_and_grad(
+    (_, (sums, per_micro, share)), grads = jax.value_and_grad(
         differentiated, argnums, has_aux=True
     )((embed, stages, head), probes)
     grads, probe_grads = grads if _probed(options) else (grads, None)
-    dtype = jnp.promote_types(jnp.result_type(sums.loss), jnp.float32)
-    share = _window_share(options, num_means, sums.weight, dtype)
     raw = _Raw(sums, per_micro, grads, _unshared(probe_grads, share), share)
     return raw if loss_scale is None else _unscaled(raw, loss_scale)
 
