@@ -25,7 +25,10 @@ from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._multisteps import accumulate as accumulate
 from jaxaccum._noise_scale import NoiseEstimates as NoiseEstimates
 from jaxaccum._noise_scale import WindowStats as WindowStats
+from jaxaccum._pipeline import PipelinePlan as PipelinePlan
+from jaxaccum._pipeline import PipelinePlanRow as PipelinePlanRow
 from jaxaccum._pipeline import pipeline_value_and_grad as pipeline_value_and_grad
+from jaxaccum._pipeline import plan_pipeline as plan_pipeline
 from jaxaccum._plan import MemoryPlan as MemoryPlan
 from jaxaccum._plan import MemoryPlanRow as MemoryPlanRow
 from jaxaccum._plan import ModePlan as ModePlan
@@ -59,6 +62,8 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "NoiseEstimates",
+    "PipelinePlan",
+    "PipelinePlanRow",
     "WindowStats",
     "accumulate",
     "dynamic_loss_scale",
@@ -70,6 +75,7 @@ __all__ = [
     "pipeline_value_and_grad",
     "plan",
     "plan_modes",
+    "plan_pipeline",
     "register_batch_node",
     "select_if_finite",
     "shard_batch",

@@ -55,15 +55,6 @@ def metadata_paths(tree: Any) -> frozenset[str]:
     )
 
 
-def gradient_leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree`` that are gradients (FP8 metadata left out)."""
-    return [
-        leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-        if not _metadata.is_metadata(path, leaf)
-    ]
-
-
 def value_and_grads(fun: Any, args: tuple, options: AccumOptions) -> tuple:
     """Runs ``fun`` accumulated with ``options`` under jit; returns (value,
     grads) alone."""

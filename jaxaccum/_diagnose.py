@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from jaxaccum import _compare, _split
+from jaxaccum import _compare, _metadata, _split
 from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
 from jaxaccum._value_and_grad import make_accumulated
 
@@ -301,7 +301,7 @@ def _close(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
 def _flat(tree: Any) -> np.ndarray:
     """The gradient leaves of ``tree`` in one float64 vector (FP8 metadata,
     not a gradient, left out)."""
-    return np.asarray(ravel_pytree(_compare.gradient_leaves(tree))[0], np.float64)
+    return np.asarray(ravel_pytree(_metadata.gradient_leaves(tree))[0], np.float64)
 
 
 def _least_squares_scale(actual: np.ndarray, reference: np.ndarray) -> float:

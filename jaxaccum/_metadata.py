@@ -47,6 +47,16 @@ def metadata_flags(tree: Any) -> tuple[bool, ...]:
     )
 
 
+def gradient_leaves(tree: Any) -> list[Any]:
+    """The leaves of a gradient-shaped ``tree`` that are gradients, FP8
+    metadata left out: what a squared norm or an error norm sees."""
+    return [
+        leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if not is_metadata(path, leaf)
+    ]
+
+
 def physical(x: Any) -> jax.Array:
     """A metadata value as the float array it is stored as (``fm32``: float32)."""
     x = jnp.asarray(x)

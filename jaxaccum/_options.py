@@ -330,6 +330,14 @@ class AccumOptions:
                 f"gather_dtype must be a floating dtype such as jnp.bfloat16 (or "
                 f"None), got {self.gather_dtype!r}."
             )
+        if not (
+            self.remat is None or isinstance(self.remat, bool) or callable(self.remat)
+        ):
+            raise TypeError(
+                "remat must be True, False (or None) or a jax.checkpoint policy (e.g. "
+                "jax.checkpoint_policies.dots_saveable), got "
+                f"{self.remat!r} of type {type(self.remat).__name__}."
+            )
         if not isinstance(self.loss_scale, bool):
             raise TypeError(
                 "loss_scale must be True or False when the function is built, got "
@@ -357,9 +365,10 @@ class AccumOptions:
                     "before the loop, and their gradients reduce-scattered "
                     "once, after it. Use 'window' (or 'auto')."
                 )
-        if self.aux_reduction not in PIPELINE_AUX_REDUCTIONS:
+        if not set(jax.tree.leaves(self.aux_reduction)) <= set(PIPELINE_AUX_REDUCTIONS):
             raise ValueError(
-                f"aux_reduction must be one of {PIPELINE_AUX_REDUCTIONS} in a "
+                f"aux_reduction must be one of {PIPELINE_AUX_REDUCTIONS} (or a "
+                "pytree prefix of the aux output mapping leaves to them) in a "
                 f"pipeline, got {self.aux_reduction!r}: each micro-batch's aux "
                 "is computed on the last stage's device, per data shard."
             )

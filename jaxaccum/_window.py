@@ -72,7 +72,9 @@ def weighted_pair(loss: Any, fun: str) -> tuple[Any, Any]:
     return loss[0], loss[1]
 
 
-def microbatch_share(options: AccumOptions, num_means: Any, weight: Any) -> Any:
+def microbatch_share(
+    options: AccumOptions, num_means: Any, weight: Any, dtype: Any = jnp.float32
+) -> Any:
     """What one micro-batch's loss is multiplied by before its backward pass,
     so that every cotangent in it is the big batch's for the same examples
     (low-precision formats, FP8's amax histories, see the big batch's ranges).
@@ -83,13 +85,14 @@ def microbatch_share(options: AccumOptions, num_means: Any, weight: Any) -> Any:
     loss sum is divided by ``num_means w_k``, the window's total if the
     micro-batches held equal weight (the big batch's cotangents exactly then,
     within the micro-batches' imbalance otherwise); zero weight, zero share.
+    In ``dtype`` (float32 by default).
     """
     if options.reduction == "sum":
-        return jnp.float32(1)
-    share = 1 / jnp.asarray(num_means, jnp.float32)
+        return jnp.ones((), dtype)
+    share = 1 / jnp.asarray(num_means, dtype)
     if options.reduction == "mean":
         return share
-    weight = jnp.asarray(weight, jnp.float32)
+    weight = jnp.asarray(weight, dtype)
     safe = jnp.where(weight > 0, weight, 1)
     return lax.stop_gradient(jnp.where(weight > 0, share / safe, 0))
 
@@ -124,6 +127,28 @@ def accum_dtype_for(dtype: Any, accum_dtype: Any) -> Any:
     if accum_dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
         return dtype
     return jnp.promote_types(dtype, accum_dtype)
+
+
+def sum_dtype(dtype: Any, accum_dtype: Any) -> Any:
+    """The dtype a window sums a scalar in (its loss, its weights or token
+    counts): integers exactly, in at least int32 (bool counts as int32);
+    floats in at least float32 and ``accum_dtype``, whatever the gradients'
+    dtype (a float16 sum of 160k tokens is inf)."""
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return jnp.dtype(jnp.int32)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.promote_types(dtype, jnp.int32)
+    return jnp.promote_types(accum_dtype_for(dtype, accum_dtype), jnp.float32)
+
+
+def normalized_value(options: AccumOptions, value: Any, weight: Any, num_means: Any):
+    """The window's value from its loss sum: over ``num_means`` micro-batches
+    (mean), as it is (sum), or over the total weight (weighted; 0 at 0)."""
+    if options.reduction == "weighted":
+        return divide_by_total_weight(value, weight)
+    if options.reduction == "mean":
+        return value / num_means
+    return value
 
 
 def zeros_like_aval(aval: Any, dtype: Any) -> jax.Array:
@@ -167,6 +192,7 @@ class AuxPlan:
                 raise ValueError(
                     f"Unknown aux reduction {reduction!r}; use one of {AUX_REDUCTIONS}."
                 )
+        self.mean_dtype = sum_dtype(jnp.float32, accum_dtype)
         self.accum_dtypes = [
             self._carry_dtype(leaf.dtype, reduction, accum_dtype)
             for leaf, reduction in zip(self.leaves, self.reductions, strict=True)
@@ -174,11 +200,19 @@ class AuxPlan:
 
     @staticmethod
     def _carry_dtype(dtype: Any, reduction: str, accum_dtype: Any) -> Any:
-        if reduction == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
-            return accum_dtype or jnp.float32
-        if reduction in ("mean", "sum"):
-            return accum_dtype_for(dtype, accum_dtype)
-        return dtype
+        if reduction not in ("mean", "sum"):
+            return dtype
+        if not jnp.issubdtype(dtype, jnp.inexact):  # counted exactly
+            return sum_dtype(dtype, accum_dtype)
+        return accum_dtype_for(dtype, accum_dtype)
+
+    def carry(self, aux: Any) -> list:
+        """One micro-batch's aux leaves (every one reduced by mean or sum)
+        in the dtypes their sums are carried in."""
+        return [
+            jnp.asarray(leaf).astype(dtype)
+            for leaf, dtype in zip(jax.tree.leaves(aux), self.accum_dtypes, strict=True)
+        ]
 
     def _stacked(self, reduction: str) -> bool:
         return reduction in ("stack", "concat")
@@ -236,9 +270,11 @@ class AuxPlan:
             elif reduction == "concat":
                 value = _strided_to_batch_order(next(stacks), batch_size)
             elif reduction == "mean":
-                value = next(carried) / num_means
+                value = next(carried)
                 if jnp.issubdtype(leaf.dtype, jnp.inexact):
-                    value = value.astype(leaf.dtype)
+                    value = (value / num_means).astype(leaf.dtype)
+                else:  # an exact count's mean, in at least float32
+                    value = value.astype(self.mean_dtype) / num_means
             else:
                 value = next(carried)
                 if reduction == "sum":
@@ -296,9 +332,10 @@ class Window:
 
     def _zeros(self, aval: Any) -> jax.Array:
         dtype = accum_dtype_for(aval.dtype, self.options.accum_dtype)
-        if not jnp.issubdtype(dtype, jnp.inexact):  # integer weights: float sum
-            dtype = self.options.accum_dtype or jnp.float32
         return zeros_like_aval(aval, dtype)
+
+    def _sum_zeros(self, aval: Any) -> jax.Array:
+        return zeros_like_aval(aval, sum_dtype(aval.dtype, self.options.accum_dtype))
 
     def _grad_zeros(self, index: int, aval: Any) -> jax.Array:
         if self.metadata[index]:  # maxed: its identity, -inf
@@ -313,8 +350,8 @@ class Window:
 
     def zeros(self) -> Sums:
         sums = Sums(
-            self._zeros(self.value_shape),
-            jax.tree.map(self._zeros, self.weight_shape),
+            self._sum_zeros(self.value_shape),
+            jax.tree.map(self._sum_zeros, self.weight_shape),
             (),
             self.aux_plan.init(),
         )
@@ -364,15 +401,6 @@ class Window:
             aux_carry,
         ), stacked
 
-    def gradient_leaves(self, grads: Any) -> list:
-        """The leaves of a gradient-shaped tree that are gradients (not FP8
-        metadata): what a micro-batch's squared norm sees."""
-        return [
-            leaf
-            for leaf, meta in zip(jax.tree.leaves(grads), self.metadata, strict=True)
-            if not meta
-        ]
-
     def micro_stats(
         self, result: MicroResult, example_mask: jax.Array | None
     ) -> MicroStats:
@@ -391,7 +419,7 @@ class Window:
         scale = result.share
         if self.loss_scale is not None:
             scale = scale * self.loss_scale
-        sq_norm = squared_norm(self.gradient_leaves(result.grads))
+        sq_norm = squared_norm(_metadata.gradient_leaves(result.grads))
         sq_norm = jnp.where(scale > 0, sq_norm / jnp.square(scale), 0)
         return MicroStats(finite, sq_norm, weight)
 
@@ -439,10 +467,9 @@ class Window:
         value, grads = sums.value, sums.grads  # mean: each at its share already
         if grad_sq_norm is not None and self.options.reduction == "mean":
             grad_sq_norm = grad_sq_norm * jnp.square(jnp.float32(num_means))
+        value = normalized_value(self.options, value, sums.weight, num_means)
         if self.options.reduction == "weighted":
-            value, grads = divide_by_total_weight((value, grads), sums.weight)
-        elif self.options.reduction == "mean":
-            value = value / num_means
+            grads = divide_by_total_weight(grads, sums.weight)
         value, grads = jax.tree.map(
             lambda x, aval: x.astype(aval.dtype),
             (value, grads),

@@ -89,6 +89,7 @@ CHECKS = [
     "loss_scale_over_stages_and_shards",
     "bubble_and_nested_flops",
     "memory_per_device",
+    "plan_pipeline_stage4_data2",
     "transformer_loss_curve",
 ]
 
@@ -823,6 +824,60 @@ def sequential_transformer(params, batch):
     return next_token_loss(head, x, batch)
 
 
+def check_plan_pipeline():
+    """plan_pipeline on stage=4 x data=2 (FSDP-free, Explicit): at each budget
+    its choice is the most efficient (M, remat) among every candidate whose
+    compiled footprint fits (the exhaustive search, from the same
+    measurement: memory_analysis() of each program); below the smallest
+    footprint nothing fits and the error says so; the step built with the
+    plan's M and remat is exact."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(AxisType.Explicit,) * 2)
+    params = jax.device_put(
+        make_params(4),
+        tuple(NamedSharding(mesh, spec) for spec in param_specs(None)),
+    )
+    micro = make_batch(ROWS * 2)
+    plan = functools.partial(
+        jaxaccum.plan_pipeline,
+        stage_fn,
+        loss_fn,
+        params,
+        micro,
+        mesh=mesh,
+        embed_fn=embed_fn,
+        data_axis="data",
+    )
+    table = {}
+    for remat in (False, True):
+        for num in (4, 8, 16):
+            one = plan(memory_budget=2**40, candidates=[num], remat=remat)
+            table[remat, num] = (one.footprint_bytes, one.efficiency)
+    footprints = sorted(footprint for footprint, _ in table.values())
+    for budget in (footprints[0], footprints[len(footprints) // 2], footprints[-1]):
+        chosen = plan(memory_budget=budget, candidates=(4, 8, 16))
+        fitting = [e for f, e in table.values() if f <= budget]
+        assert chosen.efficiency == max(fitting), (budget, chosen, table)
+        footprint, _ = table[chosen.remat, chosen.num_microbatches]
+        assert chosen.footprint_bytes == footprint <= budget, (chosen, table)
+        assert "<- chosen" in str(chosen)
+    try:
+        plan(memory_budget=footprints[0] - 1, candidates=(4, 8, 16))
+    except ValueError as error:
+        assert "No window fits" in str(error), error
+    else:
+        raise AssertionError("a budget below every footprint was planned")
+    rows = ROWS * 2 * chosen.num_microbatches
+    case = Case(
+        mesh, "data", chosen.num_microbatches, 1, make_params(4), make_batch(rows), ()
+    )
+    step = pipelined(case, remat=chosen.remat)
+    batch = jax.device_put(case.batch, NamedSharding(mesh, P("data")))
+    rtol = tolerance(UNIT_ROUNDOFF, batch=rows)
+    chex.assert_trees_all_close(
+        jax.jit(step)(params, batch), reference(case), rtol=rtol, atol=rtol
+    )
+
+
 def cpu_seconds():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -856,6 +911,7 @@ def _run(name):
         "loss_scale_over_stages_and_shards": check_loss_scale,
         "bubble_and_nested_flops": check_flops,
         "memory_per_device": check_memory,
+        "plan_pipeline_stage4_data2": check_plan_pipeline,
         "transformer_loss_curve": check_transformer,
     }
     return checks[name]()

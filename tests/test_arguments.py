@@ -180,3 +180,11 @@ def test_numeric_arguments_take_every_number_or_name_themselves(argument):
         # jaxaccum's own error, not one from inside JAX or Python.
         raised_in = error.traceback[-1].path
         assert raised_in.parent.name == "jaxaccum", (argument.name, bad, raised_in)
+
+
+@pytest.mark.parametrize("remat", ["yes", 1, 0.5])
+def test_remat_is_a_bool_or_a_checkpoint_policy(remat):
+    """remat="yes" failed inside JAX's checkpoint ("'str' object is not
+    callable") at trace time; it is refused when the step is built."""
+    with pytest.raises(TypeError, match=r"remat must be True, False \(or None\)"):
+        jaxaccum.value_and_grad(loss, 2, remat=remat)

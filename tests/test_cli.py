@@ -3,6 +3,7 @@ one line."""
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -624,3 +625,65 @@ def test_every_optimizer_choice_updates_from_gradients_alone(name):
     params = {"w": jnp.arange(1.0, 4.0)}
     updates, _ = optimizer.update(params, optimizer.init(params), params)
     chex.assert_tree_all_finite(updates)
+
+
+PIPELINED = ["--features", "16", "--width", "32", "--microbatch-rows", "8"]
+
+
+def test_plan_command_plans_the_pipelined_demo_on_8_devices():
+    """``plan --stages 4 --data-shards 2`` plans the demo MLP pipelined on 8
+    host devices (its own process: the device count is fixed when JAX
+    starts); what it prints is plan_pipeline's, and its choice the table's
+    most efficient row that fits."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxaccum", "plan", "--stages", "4"]
+        + ["--data-shards", "2", *PIPELINED, "--candidates", "4", "8", "16"]
+        + ["--memory-budget", "120KiB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "{'stage': 4, 'data': 2}" in result.stdout, result.stdout
+    table = [
+        line.split()
+        for line in result.stdout.splitlines()
+        if line.strip()[:1].isdigit()
+    ]  # M remat batch bubble efficiency temp unit total unit fits [<- chosen]
+    assert len(table) >= 3, result.stdout  # a real choice: one did not fit
+    chosen = [row for row in table if row[-1] == "chosen"]
+    fitting = [float(row[4]) for row in table if row[9] == "yes"]
+    assert len(fitting) < len(table), result.stdout
+    assert len(chosen) == 1 and float(chosen[0][4]) == max(fitting), result.stdout
+    assert "num_microbatches=" in result.stdout and "data_axis='data'" in result.stdout
+
+
+def test_plan_command_plans_one_stage_here(capsys):
+    code, out, err = run_cli(
+        capsys, "plan", "--stages", "1", *PIPELINED, "--candidates", "1", "2", "4"
+    )
+    assert code == 0, err
+    assert "Pipeline plan (grads)" in out and "num_microbatches=4" in out, out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stages", "2", "--optimizer", "sgd"], "--optimizer: not with --stages"),
+        (["--stages", "2", "--batch-size", "64"], "--batch-size: not with --stages"),
+        (
+            ["--stages", "2", "--repeats", "2", "--candidates", "1", "4"],
+            "--repeats 2 needs every --candidates M >= --stages 2; got 1",
+        ),
+        (["--stages", "4"], "needs 4 devices; this machine has 1 (cpu)"),
+        (["--stages", "0"], "argument --stages"),
+    ],
+    ids=["optimizer", "batch-size", "repeats", "devices", "zero"],
+)
+def test_plan_command_pipelined_errors_are_one_line(capsys, argv, message):
+    code, out, err = run_cli(capsys, "plan", *argv, *PIPELINED)
+    assert code == 2, (code, out, err)
+    assert err.startswith("jaxaccum plan: error: ") and err.count("\n") == 1, err
+    assert message in err, err

@@ -517,3 +517,135 @@ def test_an_overflow_skips_the_pipeline_window():
     chex.assert_trees_all_equal(kept, params)
     with pytest.raises(TypeError, match="keyword argument loss_scale"):
         step(params, batch)
+
+
+# The window's counts and aux, the core's rules (issue 45's cases 1 and 6).
+
+
+def counted_mse(params, x, micro_batch):
+    """A weighted loss whose weights are token counts (~10k a row: 160k a
+    window), with an exact integer aux summed past float32's integers."""
+    rows = jnp.sum((x @ params["w"] - micro_batch["y"]) ** 2, -1)
+    count = micro_batch["count"]
+    loss_sum = jnp.sum(count.astype(jnp.float32) * rows)
+    return (loss_sum, jnp.sum(count)), {"big": jnp.sum(micro_batch["big"])}
+
+
+def counted_step(**options):
+    return pipeline_value_and_grad(
+        dense,
+        counted_mse,
+        NUM,
+        mesh=MESH,
+        embed_fn=embed,
+        reduction="weighted",
+        has_aux=True,
+        **options,
+    )
+
+
+def counted_batch(count_dtype):
+    batch = make_batch(4 * NUM)
+    rng = np.random.default_rng(5)
+    counts = rng.integers(9_000, 11_000, 4 * NUM)
+    big = np.full(4 * NUM, 2**23 + 1, np.int32)  # sum 2**27 + 16: not a float32
+    return {**batch, "count": jnp.asarray(counts, count_dtype), "big": jnp.asarray(big)}
+
+
+@pytest.mark.parametrize("accum_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("count_dtype", [jnp.int32, jnp.float32])
+def test_counts_sum_in_at_least_float32_and_integer_aux_exactly(
+    accum_dtype, count_dtype
+):
+    """Token counts summed in float16 overflow (the window read 0), in
+    bfloat16 round by 0.4%; an int32 aux summed through float32 loses 8. The
+    window sums both as the core does: counts in at least float32 (integers
+    exactly), integer aux in int32. The parameters are float32, so nothing
+    else is in the low-precision dtype: RTOL holds."""
+    params, batch = one_device_case(1)[0], counted_batch(count_dtype)
+    step = counted_step(aux_reduction="sum", accum_dtype=accum_dtype)
+    (value, aux), grads = jax.jit(step)(params, batch)
+
+    def whole(params):
+        x = dense(jax.tree.map(lambda p: p[0], params[1]), embed(params[0], batch))
+        (total, weight), aux = counted_mse(params[2], x, batch)
+        return total / weight, aux
+
+    (expected, expected_aux), expected_grads = jax.value_and_grad(whole, has_aux=True)(
+        params
+    )
+    chex.assert_trees_all_close(
+        (value, grads), (expected, expected_grads), rtol=RTOL, atol=RTOL
+    )
+    assert aux["big"].dtype == jnp.int32 and int(aux["big"]) == 16 * (2**23 + 1)
+    assert int(expected_aux["big"]) == int(aux["big"])
+
+
+def test_an_aux_prefix_of_mean_and_sum_as_in_the_core():
+    params, batch = one_device_case(1)[0], counted_batch(jnp.int32)
+    (_, aux), _ = jax.jit(counted_step(aux_reduction={"big": "sum"}))(params, batch)
+    assert int(aux["big"]) == 16 * (2**23 + 1)
+    (_, aux), _ = jax.jit(counted_step(aux_reduction={"big": "mean"}))(params, batch)
+    assert aux["big"].dtype == jnp.float32
+    chex.assert_trees_all_close(aux["big"], jnp.float32(4 * (2**23 + 1)))
+    with pytest.raises(ValueError, match="prefix of the aux output"):
+        build(has_aux=True, aux_reduction={"big": "stack"})
+
+
+# The planner (its choice against an exhaustive search on 8 devices is
+# pipeline_checks.py's plan_pipeline_stage4_data2).
+
+
+def planned(**options):
+    params, micro = make_params(2), make_batch(64)
+    defaults = {"mesh": MESH, "embed_fn": embed, "repeats": 2, "memory_budget": "1GiB"}
+    return jaxaccum.plan_pipeline(dense, mse, params, micro, **{**defaults, **options})
+
+
+def test_plan_pipeline_grows_the_window_and_remats_only_when_it_must():
+    """One stage has no bubble: every window without remat is fully
+    efficient, so remat (a forward pass again) is never compiled while one
+    fits, and the largest candidate is chosen; a budget only remat's
+    smallest window meets gets it."""
+    roomy = planned(candidates=[1, 2, 4, 8])
+    assert (roomy.num_microbatches, roomy.remat, roomy.efficiency) == (8, False, 1.0)
+    assert {row.remat for row in roomy.rows} == {False}
+    assert roomy.batch_size == 8 * 64 and roomy.bubble == 0.0
+    assert 0 < roomy.recompute < 1 and roomy.recompute_measured
+    plain = planned(candidates=[1], remat=False).footprint_bytes
+    rematted = planned(candidates=[1], remat=True).footprint_bytes
+    assert rematted < plain, (rematted, plain)
+    tight = planned(candidates=[1, 2, 4, 8], memory_budget=rematted)
+    assert (tight.num_microbatches, tight.remat) == (1, True)
+    assert tight.efficiency == pytest.approx(1 / (1 + tight.recompute))
+    assert tight.footprint_bytes <= rematted
+    assert "<- chosen" in str(tight) and "remat=True" in str(tight)
+
+
+def test_plan_pipeline_refuses_what_it_chooses_and_says_when_nothing_fits():
+    with pytest.raises(TypeError, match="chooses the window's num_microbatches"):
+        planned(num_microbatches=4)
+    with pytest.raises(TypeError, match="chooses the window's num_microbatches"):
+        planned(microbatch_size=4)
+    with pytest.raises(ValueError, match="candidates is empty"):
+        planned(candidates=[])
+    with pytest.raises(ValueError, match="candidate num_microbatches"):
+        planned(candidates=[0, 2])
+    with pytest.raises(TypeError, match="plan_pipeline does not take masked"):
+        planned(masked=True)
+    with pytest.raises(ValueError, match=r"No window fits.*\n.*M\s+remat"):
+        planned(candidates=[1, 2], memory_budget=1000)
+
+
+def test_plan_pipeline_candidates_below_the_stages_with_repeats():
+    from jaxaccum._pipeline._plan import _check_candidates
+
+    assert _check_candidates(None, 4, 1) == [4, 8, 16, 32, 64, 128]
+    assert _check_candidates([8, 4, 8], 4, 2) == [4, 8]
+    with pytest.raises(ValueError, match="repeats=2 needs"):
+        _check_candidates([2, 8], 4, 2)
+
+
+def test_plan_pipeline_checks_remat_as_the_step_does():
+    with pytest.raises((TypeError, ValueError), match="remat"):
+        planned(remat="yes")

@@ -203,3 +203,47 @@ def test_masked_sum_ignores_nan_at_masked_positions():
     assert (float(total), float(weight)) == (4.5, 2.5)
     grad = jax.grad(lambda x: jaxaccum.masked_sum(x, mask)[0])(losses)
     np.testing.assert_array_equal(grad, [1.0, 0.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("accum_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("count_dtype", [jnp.int32, jnp.float32])
+def test_counts_sum_in_at_least_float32_whatever_accum_dtype(accum_dtype, count_dtype):
+    """Token counts (~10k a row, 160k a window) summed in float16 overflowed
+    (value and gradients read exactly 0), in bfloat16 rounded the value by
+    0.25%; an int32 aux summed through a float lost its low bits. Counts sum
+    in at least float32 (integers exactly), the value too; the float32
+    parameters' gradients accumulate in float32 ("at least"): RTOL holds."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((8, 2)) / np.sqrt(8), jnp.float32)
+    batch = {
+        "x": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((16, 2)), jnp.float32),
+        "count": jnp.asarray(rng.integers(9_000, 11_000, 16), count_dtype),
+        "big": jnp.full(16, 2**23 + 1, jnp.int32),
+    }
+
+    def loss(w, batch):
+        rows = jnp.sum((batch["x"] @ w - batch["y"]) ** 2, -1)
+        count = batch["count"]
+        loss_sum = jnp.sum(count.astype(jnp.float32) * rows)
+        return (loss_sum, jnp.sum(count)), {"big": jnp.sum(batch["big"])}
+
+    step = jaxaccum.value_and_grad(
+        loss,
+        4,
+        reduction="weighted",
+        has_aux=True,
+        aux_reduction="sum",
+        accum_dtype=accum_dtype,
+    )
+    (value, aux), grads = jax.jit(step)(w, batch)
+
+    def whole(w):
+        (total, weight), aux = loss(w, batch)
+        return total / weight, aux
+
+    (expected, _), expected_grads = jax.value_and_grad(whole, has_aux=True)(w)
+    chex.assert_trees_all_close(
+        (value, grads), (expected, expected_grads), rtol=RTOL, atol=ATOL
+    )
+    assert aux["big"].dtype == jnp.int32 and int(aux["big"]) == 16 * (2**23 + 1)

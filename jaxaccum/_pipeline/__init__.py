@@ -24,8 +24,12 @@ micro-batch and stage each device runs when), ``_calls`` (the user's
 functions as the loop calls them: dtypes, keys, remat, gated gradients),
 ``_loop`` (one device's window: embed, the ticks, the losses), ``_layout``
 (the mesh, the stacked stages, FSDP, the call's checks), ``_stats`` (the
-window's statistics from the probes) and ``_step`` (the front end:
-differentiation, the loss scale, normalisation).
+window's statistics from the probes), ``_step`` (the front end:
+differentiation, the loss scale, normalisation) and ``_plan`` (the window's
+``M`` and ``remat`` for a memory budget).
 """
 
+from jaxaccum._pipeline._plan import PipelinePlan as PipelinePlan
+from jaxaccum._pipeline._plan import PipelinePlanRow as PipelinePlanRow
+from jaxaccum._pipeline._plan import plan_pipeline as plan_pipeline
 from jaxaccum._pipeline._step import pipeline_value_and_grad as pipeline_value_and_grad

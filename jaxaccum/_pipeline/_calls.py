@@ -13,7 +13,7 @@ from jax import lax
 
 from jaxaccum._noise_scale import squared_norm
 from jaxaccum._options import AccumOptions
-from jaxaccum._window import accum_dtype_for, weighted_pair
+from jaxaccum._window import AuxPlan, accum_dtype_for, sum_dtype, weighted_pair
 
 
 class LossOut(NamedTuple):
@@ -49,12 +49,14 @@ class Calls(NamedTuple):
         with ``remat``).
       own_stages: ``own_stages(stages)``, the stacked stage parameters cast
         to their own dtype (no gradient: ``stage`` routes it to ``stages``).
+      own_loss: ``loss`` in ``loss_fn``'s own dtypes (for its shapes only).
     """
 
     embed: Callable[..., Any]
     stage: Callable[..., Any]
     loss: Callable[..., LossOut]
     own_stages: Callable[[Any], Any]
+    own_loss: Callable[..., LossOut]
 
 
 def takes_key(fn: Callable[..., Any] | None) -> bool:
@@ -79,21 +81,25 @@ def _keyword(fn: Callable[..., Any] | None, key: Any) -> dict:
 
 
 def _as_loss_out(out: Any, options: AccumOptions) -> LossOut:
-    """``loss_fn``'s result as a :class:`LossOut` in the accumulation dtype."""
+    """``loss_fn``'s result as a :class:`LossOut`, in its own dtypes."""
     loss, aux = out if options.has_aux else (out, ())
     weight: Any = ()
     if options.reduction == "weighted":
         loss, weight = weighted_pair(loss, "loss_fn")
-        weight = jnp.asarray(weight).astype(options.accum_dtype or jnp.float32)
-    loss = jnp.asarray(loss)
-    dtype = accum_dtype_for(loss.dtype, options.accum_dtype)
-    aux = jax.tree.map(
-        lambda leaf: jnp.asarray(leaf).astype(
-            accum_dtype_for(jnp.result_type(leaf, jnp.float32), options.accum_dtype)
-        ),
-        aux,
+        weight = jnp.asarray(weight)
+    return LossOut(jnp.asarray(loss), weight, aux)
+
+
+def summed(out: LossOut, options: AccumOptions) -> LossOut:
+    """``out`` in the dtypes the window sums it in, the core's: the loss and
+    weight by :func:`sum_dtype`, aux as its :class:`AuxPlan` carries it (a
+    list of leaves)."""
+    plan = AuxPlan(options.aux_reduction, out.aux, options.accum_dtype)
+    loss, weight = (
+        jax.tree.map(lambda x: x.astype(sum_dtype(x.dtype, options.accum_dtype)), y)
+        for y in (out.loss, out.weight)
     )
-    return LossOut(loss.astype(dtype), weight, aux)
+    return LossOut(loss, weight, plan.carry(out.aux))
 
 
 # Operations that only move or retype data: their results are recomputed in
@@ -197,10 +203,13 @@ def make_calls(
         stacked = jax.tree.map(lambda p, s: p.astype(s.dtype), stages, stage_like)
         return lax.stop_gradient(stacked)
 
-    def loss(params, x, micro_batch, key):
+    def own_loss(params, x, micro_batch, key):
         params = optax.tree.cast_like(params, head_like)
         out = loss_fn(params, x, micro_batch, **_keyword(loss_fn, key))
         return _as_loss_out(out, options)
+
+    def loss(params, x, micro_batch, key):
+        return summed(own_loss(params, x, micro_batch, key), options)
 
     stage_policy = _stage_policy(options.remat)
     stage = _gated_stage(
@@ -210,4 +219,4 @@ def make_calls(
         policy = None if isinstance(options.remat, bool) else options.remat
         embed = jax.checkpoint(embed, policy=policy)
         loss = jax.checkpoint(loss, policy=policy)
-    return Calls(embed, stage, loss, own_stages)
+    return Calls(embed, stage, loss, own_stages, own_loss)

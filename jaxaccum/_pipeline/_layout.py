@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxaccum import _metadata, _split
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
-from jaxaccum._pipeline._calls import Calls, LossOut, make_calls
+from jaxaccum._pipeline._calls import Calls, make_calls
 from jaxaccum._pipeline._loop import Shapes
 from jaxaccum._pipeline._schedule import Schedule, schedule_on
 
@@ -146,13 +146,13 @@ def _shapes(
             "and dtypes (one activation flows from stage to stage); move a "
             "change of shape into embed_fn or loss_fn."
         )
-    loss = jax.eval_shape(calls.loss, head, x, micro, key)
-    if jnp.shape(loss.loss) != ():
+    own = jax.eval_shape(calls.own_loss, head, x, micro, key)
+    if jnp.shape(own.loss) != ():
         raise TypeError(
             f"loss_fn must return a scalar loss for its micro-batch, got shape "
-            f"{jnp.shape(loss.loss)}."
+            f"{jnp.shape(own.loss)}."
         )
-    return Shapes(x, loss)
+    return Shapes(x, jax.eval_shape(calls.loss, head, x, micro, key), own)
 
 
 def _abstract(tree: Any, one_stage: bool = False) -> Any:
@@ -204,7 +204,6 @@ class Prepared(NamedTuple):
       schedule: the window's :class:`Schedule`.
       calls: the user's functions as the loop calls them.
       shapes: one micro-batch's activation and (accumulated) loss shapes.
-      own: the loss's shapes in the dtypes ``loss_fn`` returns them.
       rows: rows of one micro-batch on one data shard.
       shards: data shards (1 without a data axis).
       stage_axis: the mesh axis of the stages.
@@ -218,7 +217,6 @@ class Prepared(NamedTuple):
     schedule: Schedule
     calls: Calls
     shapes: Shapes
-    own: LossOut
     rows: int
     shards: int
     stage_axis: str
@@ -237,15 +235,6 @@ def prepare(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
     like = (_abstract(embed), _abstract(stages, one_stage=True), _abstract(head))
     calls = make_calls(stage_fn, loss_fn, embed_fn, options, like)
     shapes = _shapes(calls, like, batch, key, rows, options.layout.repeats)
-    own_options = dataclasses.replace(options, accum_dtype=None)
-    own = _shapes(
-        make_calls(stage_fn, loss_fn, embed_fn, own_options, like),
-        like,
-        batch,
-        key,
-        rows,
-        options.layout.repeats,
-    ).loss
     shards = (
         device_mesh.shape[options.layout.data_axis] if options.layout.data_axis else 1
     )
@@ -254,7 +243,6 @@ def prepare(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
         schedule,
         calls,
         shapes,
-        own,
         rows,
         shards,
         options.layout.stage_axis,

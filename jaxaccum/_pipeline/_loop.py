@@ -67,10 +67,12 @@ class Probes(NamedTuple):
 
 
 class Shapes(NamedTuple):
-    """The shapes of one micro-batch's activation ``x`` and loss."""
+    """The shapes of one micro-batch's activation ``x`` and loss (as the
+    window sums it, and in ``loss_fn``'s own dtypes)."""
 
     x: Any
     loss: LossOut
+    own: LossOut
 
 
 class _Device(NamedTuple):

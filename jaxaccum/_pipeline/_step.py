@@ -39,8 +39,13 @@ from jaxaccum._pipeline._layout import (
 from jaxaccum._pipeline._loop import Probes, on_device
 from jaxaccum._pipeline._schedule import schedule_on
 from jaxaccum._pipeline._stats import pipeline_stats
-from jaxaccum._reduce import divide_by_total_weight
-from jaxaccum._window import FiniteReport, accum_dtype_for
+from jaxaccum._window import (
+    AuxPlan,
+    FiniteReport,
+    accum_dtype_for,
+    microbatch_share,
+    normalized_value,
+)
 
 
 class _Raw(NamedTuple):
@@ -72,20 +77,14 @@ def _window_share(
     options: AccumOptions, num_means: int, weight: Any, dtype: Any = jnp.float32
 ) -> jax.Array:
     """What the window's loss sum is multiplied by before its backward pass,
-    so that every cotangent is the big batch's (as the core's
-    ``microbatch_share``): ``1 / (M D)`` for a mean, ``1`` for a sum, and
-    ``1 / W`` for a weighted loss. Every forward pass of a pipelined window
-    runs before its backward pass, so the window's total weight ``W`` is
-    known and the share is exact however unevenly the weight falls (0 for a
-    window of weight 0, whose gradient is then 0). In ``dtype``, the loss
-    sum's, at least float32."""
-    if options.reduction == "sum":
-        return jnp.ones((), dtype)
-    if options.reduction == "mean":
-        return jnp.asarray(1 / num_means, dtype)
-    weight = jnp.asarray(weight, dtype)
-    positive = weight > 0
-    return lax.stop_gradient(jnp.where(positive, 1 / jnp.where(positive, weight, 1), 0))
+    so that every cotangent is the big batch's: the core's
+    :func:`microbatch_share` with the whole window as one piece of ``M D``
+    means. Every forward pass of a pipelined window runs before its backward
+    pass, so a weighted window's total weight ``W`` is known: its share is
+    exactly ``1 / W`` however unevenly the weight falls (0 at weight 0). In
+    ``dtype``, the loss sum's, at least float32."""
+    pieces = 1 if options.reduction == "weighted" else num_means
+    return microbatch_share(options, pieces, weight, dtype)
 
 
 def _probed(options: AccumOptions) -> bool:
@@ -238,25 +237,18 @@ def _like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
 
 
 def _normalize(raw: _Raw, prepared: Prepared, options: AccumOptions):
-    """The window's value, aux and gradients (accumulation dtype) from its
-    sums: means over the ``M D`` micro-batch pieces, sums as they are,
-    weighted sums over the window's total weight (the gradients are already:
-    the loss sum was differentiated at its share)."""
+    """The window's value and aux from its sums, as the core's window
+    normalises them (:func:`normalized_value`, :meth:`AuxPlan.finalize`),
+    over the ``M D`` micro-batch pieces, in ``loss_fn``'s dtypes; the
+    gradients are already the window's (the loss sum was differentiated at
+    its share)."""
     num_means = prepared.schedule.num_microbatches * prepared.shards
-    value, grads = raw.sums.loss, raw.grads
-    if options.reduction == "weighted":
-        value = divide_by_total_weight(value, raw.sums.weight)
-    elif options.reduction == "mean":
-        value = value / num_means
-    aux = raw.sums.aux
-    if options.aux_reduction == "mean":
-        aux = jax.tree.map(lambda total: total / num_means, aux)
-    value, aux = jax.tree.map(
-        lambda x, own: x.astype(own.dtype),
-        (value, aux),
-        (prepared.own.loss, prepared.own.aux),
+    own = prepared.shapes.own
+    value = normalized_value(options, raw.sums.loss, raw.sums.weight, num_means)
+    aux = AuxPlan(options.aux_reduction, own.aux, options.accum_dtype).finalize(
+        raw.sums.aux, [], num_means, 0
     )
-    return value, aux, grads
+    return value.astype(own.loss.dtype), aux, raw.grads
 
 
 def _unpack(params: Any) -> tuple:

@@ -42,6 +42,7 @@ import optax
 
 import jaxaccum
 from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS, check_scalar
+from jaxaccum.cli import _pipeline_plan
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides, count
 
@@ -162,9 +163,12 @@ def optimizers() -> tuple[str, ...]:
     return tuple(names)
 
 
-def _optimizer(name: str, learning_rate: float) -> optax.GradientTransformation | None:
-    """``optax.<name>(learning_rate)``; None for ``none`` (a choice of
-    :func:`optimizers`, checked when parsed)."""
+def _optimizer(
+    name: str | None, learning_rate: float
+) -> optax.GradientTransformation | None:
+    """``optax.<name>(learning_rate)`` (``adam`` when not given); None for
+    ``none`` (a choice of :func:`optimizers`, checked when parsed)."""
+    name = name or "adam"
     return None if name == "none" else getattr(optax, name)(learning_rate)
 
 
@@ -203,7 +207,9 @@ def check_flags(args: argparse.Namespace) -> None:
     Raises:
       ValueError: naming the flags.
     """
-    if args.loss is None:
+    if args.stages is not None:
+        _pipeline_plan.check_flags(args)
+    elif args.loss is None:
         _check_demo_flags(args)
     else:
         _check_loss_flags(args)
@@ -331,8 +337,11 @@ def _demo_step(args: argparse.Namespace) -> _Step:
     return _Step(f"Model {task.name}", task.loss, call_args, options)
 
 
-def plan_command(args: argparse.Namespace) -> jaxaccum.MemoryPlan:
-    """Plans the user's loss (``args.loss``), else the demo MLP."""
+def plan_command(args: argparse.Namespace) -> Any:
+    """Plans the user's loss (``args.loss``), else the demo MLP (pipelined,
+    with ``--stages``)."""
+    if args.stages is not None:
+        return _pipeline_plan.pipeline_plan_command(args)
     step = _demo_step(args) if args.loss is None else _user_step(args)
     optimizer = _optimizer(args.optimizer, args.learning_rate)
     try:
@@ -351,7 +360,7 @@ def plan_command(args: argparse.Namespace) -> jaxaccum.MemoryPlan:
         raise ValueError(hint) from error
     counted = "parameters and optimizer state count" if optimizer else "gradients only"
     console.print(
-        f"{step.name}, optimizer {args.optimizer}; {counted}.",
+        f"{step.name}, optimizer {args.optimizer or 'adam'}; {counted}.",
         markup=False,
         soft_wrap=True,
     )
@@ -419,7 +428,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--optimizer",
         choices=("none", *optimizers()),
-        default="adam",
+        default=None,
         metavar="NAME",
         help="an optax optimizer, built with --learning-rate, or none (gradients "
         "only): %(choices)s (default adam)",
@@ -430,6 +439,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help="the numbers of micro-batches to consider, each dividing the batch "
-        "size (default every divisor)",
+        "size (default every divisor); with --stages, the window's M (default "
+        "S, 2S, ..., 32S)",
     )
     parser.add_argument("--remat", action="store_true", help="jax.checkpoint the loss")
+    _pipeline_plan.add_arguments(parser)

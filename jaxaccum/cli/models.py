@@ -145,3 +145,58 @@ def cnn_task(size: int = 16, classes: int = 10, seed=0):
 
     params = model.init(jax.random.key(seed), jnp.zeros((1, size, size, 3)))["params"]
     return Task("cnn-16-32", loss, params, make_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinedTask:
+    """A model split for :func:`jaxaccum.pipeline_value_and_grad`.
+
+    Attributes:
+      name: a short name for tables.
+      stage_fn: ``stage_fn(stage_params, x) -> x``, one stage.
+      loss_fn: ``loss_fn(head_params, x, micro_batch) -> loss``, the mean.
+      embed_fn: ``embed_fn(embed_params, micro_batch) -> x``.
+      params: ``(embed_params, stage_params, head_params)``, the stages
+        stacked on axis 0.
+      make_batch: ``make_batch(key, batch_size) -> batch``.
+    """
+
+    name: str
+    stage_fn: Callable[..., Any]
+    loss_fn: Callable[..., Any]
+    embed_fn: Callable[..., Any]
+    params: tuple
+    make_batch: Callable[[jax.Array, int], Any]
+
+
+def pipelined_mlp_task(
+    features: int = 784, width: int = 512, stages: int = 4, classes: int = 10, seed=0
+) -> PipelinedTask:
+    """:func:`mlp_task`'s data through a deeper MLP cut into ``stages``
+    residual ReLU blocks of ``width``: an embedding, the blocks, a head."""
+    teacher = jax.random.normal(jax.random.key(seed + 1), (features, classes))
+    keys = jax.random.split(jax.random.key(seed), 3)
+    params = (
+        {"w": jax.random.normal(keys[0], (features, width)) * features**-0.5},
+        {
+            "w": jax.random.normal(keys[1], (stages, width, width)) * width**-0.5,
+            "b": jnp.zeros((stages, width)),
+        },
+        {"w": jax.random.normal(keys[2], (width, classes)) * width**-0.5},
+    )
+
+    def embed_fn(params, batch):
+        return batch["x"] @ params["w"]
+
+    def stage_fn(params, x):
+        return x + nn.relu(x @ params["w"] + params["b"])
+
+    def loss_fn(params, x, batch):
+        return _cross_entropy(x @ params["w"], batch["y"])
+
+    def make_batch(key, batch_size):
+        x = jax.random.normal(key, (batch_size, features))
+        return {"x": x, "y": jnp.argmax(x @ teacher, axis=-1)}
+
+    name = f"pipelined-mlp-{features}-{stages}x{width}-{classes}"
+    return PipelinedTask(name, stage_fn, loss_fn, embed_fn, params, make_batch)

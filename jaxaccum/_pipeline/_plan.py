@@ -1,0 +1,436 @@
+"""The pipeline's planner: :func:`plan_pipeline`, the window's ``M`` (and
+``remat``) for a memory budget, from the compiled step.
+
+At a fixed batch a larger ``M`` is both a smaller bubble and less memory
+(smaller micro-batches), so "the smallest bubble that fits" would always be
+micro-batches of one row. The planner holds the micro-batch fixed instead
+(the size a device computes efficiently) and grows the window: each ``M``
+compiles the step on ``M`` such micro-batches, GPipe's memory grows with
+``M`` while the bubble ``(S - 1) / (M R + S - 1)`` shrinks, and ``remat``
+buys a larger ``M`` for a recomputed forward pass. It returns the fitting
+configuration whose stage work is most useful (:func:`efficiency`).
+"""
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxaccum._options import (
+    PIPELINE_REFUSED,
+    AccumOptions,
+    PipelineLayout,
+    check_count,
+)
+from jaxaccum._pipeline._calls import takes_key
+from jaxaccum._pipeline._layout import prepare, resolve_mesh
+from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._step import make_pipeline
+from jaxaccum._plan import format_bytes, parse_memory_budget, total_bytes
+
+_ASSUMED_RECOMPUTE = 1 / 3  # a backward pass twice the forward's FLOPs
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlanRow:
+    """The compiled memory of the pipelined step at one ``(M, remat)``.
+
+    Attributes:
+      num_microbatches: ``M``.
+      remat: the ``remat`` compiled (False, True or a checkpoint policy).
+      batch_size: rows of the window's batch, ``M`` micro-batches.
+      bubble: ``(S - 1) / (M R + S - 1)``, the share of ticks idle.
+      efficiency: the share of the window's stage work that is useful
+        (:func:`efficiency`).
+      temp_bytes: bytes of temporaries XLA allocates while the step runs.
+      total_bytes: the footprint per device, arguments + outputs +
+        temporaries - aliased bytes (as :class:`jaxaccum.MemoryPlanRow`).
+      compile_seconds: wall time to lower and compile the step.
+      fits: whether ``total_bytes`` is within the budget.
+    """
+
+    num_microbatches: int
+    remat: Any
+    batch_size: int
+    bubble: float
+    efficiency: float
+    temp_bytes: int
+    total_bytes: int
+    compile_seconds: float
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """The result of :func:`plan_pipeline`; ``print`` it for the table.
+
+    Attributes:
+      num_microbatches: the chosen ``M``; pass it (and ``remat``) to
+        :func:`jaxaccum.pipeline_value_and_grad`.
+      remat: the chosen ``remat``.
+      microbatch_rows: rows of one micro-batch over all data shards.
+      batch_size: the window's batch at the chosen ``M``.
+      bubble: the chosen configuration's bubble fraction.
+      efficiency: its share of useful stage work.
+      recompute: the share of a stage's forward and backward FLOPs that its
+        forward is (what ``remat`` adds), from ``cost_analysis()`` of one
+        stage; 1/3 where the backend counts no FLOPs (``recompute_measured``).
+      recompute_measured: whether ``recompute`` was counted, not assumed.
+      memory_budget: the budget in bytes.
+      footprint_bytes: the compiled footprint per device at the choice.
+      rows: every compiled configuration, by ``remat`` then ``M``.
+    """
+
+    num_microbatches: int
+    remat: Any
+    microbatch_rows: int
+    batch_size: int
+    bubble: float
+    efficiency: float
+    recompute: float
+    recompute_measured: bool
+    memory_budget: int
+    footprint_bytes: int
+    rows: tuple[PipelinePlanRow, ...]
+
+    def __str__(self) -> str:
+        header = (
+            f"Pipeline plan (grads): micro-batch {self.microbatch_rows} rows, "
+            f"budget {format_bytes(self.memory_budget)} -> num_microbatches="
+            f"{self.num_microbatches}, remat={_name(self.remat)} (batch "
+            f"{self.batch_size}, bubble {self.bubble:.3f}, efficiency "
+            f"{self.efficiency:.3f}), footprint {format_bytes(self.footprint_bytes)}"
+        )
+        how = "counted" if self.recompute_measured else "assumed"
+        header += f"; remat recomputes {self.recompute:.2f} of a tick ({how})"
+        return header + "\n" + _table(self.rows, self)
+
+
+def efficiency(schedule: Schedule, remat: Any, recompute: float) -> float:
+    """The share of a window's stage work that is useful: every tick costs
+    a stage's forward and backward pass (bubbles too: a lockstep program
+    computes them on masked inputs), ``remat`` adds its forward again
+    (``recompute`` of the two; an upper bound for a checkpoint policy), and
+    ``M R`` of the ``M R + S - 1`` ticks carry a micro-batch."""
+    useful = 1 - schedule.bubble_fraction
+    return useful / (1 + (recompute if remat else 0.0))
+
+
+def _name(remat: Any) -> str:
+    return (
+        repr(remat) if isinstance(remat, bool) else getattr(remat, "__name__", "policy")
+    )
+
+
+def plan_pipeline(
+    stage_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any],
+    params: Any,
+    microbatch: Any,
+    *,
+    memory_budget: int | float | str,
+    mesh: Any = None,
+    embed_fn: Callable[..., Any] | None = None,
+    stage_axis: str = "stage",
+    data_axis: str | None = None,
+    repeats: int = 1,
+    candidates: Iterable[int] | None = None,
+    key: Any = None,
+    **options: Any,
+) -> PipelinePlan:
+    """Finds the window whose pipelined step fits a memory budget with the
+    least idle and recomputed work: ``M`` and ``remat``.
+
+    The micro-batch is held fixed and the window grows: for each candidate
+    ``M`` (and ``remat`` False and True, unless ``remat=`` is given) it
+    compiles ``jax.jit(pipeline_value_and_grad(stage_fn, loss_fn, M, ...))``
+    on a batch of ``M`` micro-batches like ``microbatch`` and reads its
+    footprint per device from ``compiled.memory_analysis()`` (nothing runs:
+    ``params`` and ``microbatch`` may be ``jax.ShapeDtypeStruct`` values).
+    Memory grows with ``M``, so for each ``remat`` it compiles the largest
+    candidate, then the smallest, then bisects for the largest that fits;
+    of those it returns the most efficient (:func:`efficiency`: the bubble
+    ``(S - 1) / (M R + S - 1)`` and, with ``remat``, the stage's forward
+    FLOPs again, counted by ``cost_analysis()`` of one stage). Why not a
+    fixed batch, and what is counted: docs/guides/pipeline.md.
+
+    Args:
+      stage_fn: one stage, as for :func:`jaxaccum.pipeline_value_and_grad`.
+      loss_fn: the micro-batch's loss, as there.
+      params: ``(embed_params, stage_params, head_params)`` as the step takes
+        them, arrays or ``jax.ShapeDtypeStruct`` values; their shardings
+        count (place the stages over the stage axis, as for training).
+      microbatch: one micro-batch of the whole mesh (its rows over every
+        data shard); the window's batch repeats its leaves' rows ``M``
+        times, sharded over ``data_axis`` on a concrete mesh.
+      memory_budget: bytes, a string such as ``"2GiB"``, or ``"device"``
+        (see :func:`jaxaccum.parse_memory_budget`).
+      mesh: the mesh, as for :func:`jaxaccum.pipeline_value_and_grad`.
+      embed_fn: the embedding, as there (None: the micro-batch is ``x``).
+      stage_axis: the mesh axis of the stages, as there.
+      data_axis: the mesh axis the batch is sharded over, or None, as there.
+      repeats: stages per device, as there.
+      candidates: the ``M`` to consider (each >= S with ``repeats > 1``).
+        Default: ``S, 2S, 4S, ..., 32S``.
+      key: a PRNG key, if the functions take one.
+      **options: the other options of
+        :func:`jaxaccum.pipeline_value_and_grad` (``reduction``,
+        ``accum_dtype``, ...); ``remat=`` plans that one only.
+
+    Returns:
+      A :class:`PipelinePlan`: ``num_microbatches`` and ``remat`` to build
+      the step with, and the table of every compiled configuration.
+
+    Raises:
+      ValueError: if nothing fits (with the smallest footprint compiled and
+        the table), a candidate is not a count, or the budget is invalid.
+      TypeError: if ``num_microbatches`` or ``microbatch_size`` is passed.
+    """
+    for name in ("num_microbatches", "microbatch_size"):
+        if name in options:
+            raise TypeError(
+                f"plan_pipeline chooses the window's num_microbatches itself; "
+                f"do not pass {name}. Give the micro-batch as `microbatch` and "
+                "restrict M with candidates=[...]."
+            )
+    budget = parse_memory_budget(memory_budget)
+    given_remat = "remat" in options
+    layout = PipelineLayout(stage_axis, data_axis, repeats)
+    base = AccumOptions.create(
+        "plan_pipeline",
+        1,
+        options,
+        fixed={"pipeline": layout},
+        refused=PIPELINE_REFUSED,
+    )
+    remats = (base.remat,) if given_remat else (False, True)
+    device_mesh = resolve_mesh(mesh, base)
+    num_stages = device_mesh.shape[stage_axis]
+    candidates = _check_candidates(candidates, num_stages, repeats)
+    functions = (stage_fn, loss_fn, embed_fn)
+    first = dataclasses.replace(base, num_microbatches=candidates[0])
+    recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
+    rows: dict[tuple[int, int], PipelinePlanRow] = {}
+
+    def fits(index: int, choice: int) -> bool:
+        remat, num = remats[choice], candidates[index]
+        call = dataclasses.replace(base, num_microbatches=num, remat=remat)
+        row = _measure(functions, call, mesh, (params, microbatch, key))
+        schedule = Schedule(num_stages, num, repeats)
+        rows[choice, index] = dataclasses.replace(
+            row,
+            bubble=schedule.bubble_fraction,
+            efficiency=efficiency(schedule, remat, recompute),
+            fits=row.total_bytes <= budget,
+        )
+        return rows[choice, index].fits
+
+    # remat=False first: a later remat is compiled only at the M whose
+    # efficiency could beat the best found (it is known before compiling).
+    chosen: PipelinePlanRow | None = None
+    for choice, remat in enumerate(remats):
+        floor = -1.0 if chosen is None else chosen.efficiency
+        better = [
+            i
+            for i, num in enumerate(candidates)
+            if efficiency(Schedule(num_stages, num, repeats), remat, recompute) > floor
+        ]
+        found = _largest_fitting(
+            len(better), functools.partial(_fits_at, fits, better, choice)
+        )
+        if found is not None:
+            chosen = rows[choice, better[found]]
+    ordered = tuple(rows[at] for at in sorted(rows))
+    if chosen is None:
+        smallest = min(ordered, key=lambda row: row.total_bytes)
+        raise ValueError(
+            f"No window fits memory_budget={format_bytes(budget)} ({budget} "
+            f"bytes): the smallest footprint compiled is "
+            f"{format_bytes(smallest.total_bytes)} at num_microbatches="
+            f"{smallest.num_microbatches}, remat={_name(smallest.remat)}. Raise "
+            "the budget, or use a smaller micro-batch or model.\n"
+            + _table(ordered, None)
+        )
+    return PipelinePlan(
+        num_microbatches=chosen.num_microbatches,
+        remat=chosen.remat,
+        microbatch_rows=_rows(microbatch),
+        batch_size=chosen.batch_size,
+        bubble=chosen.bubble,
+        efficiency=chosen.efficiency,
+        recompute=recompute,
+        recompute_measured=measured,
+        memory_budget=budget,
+        footprint_bytes=chosen.total_bytes,
+        rows=ordered,
+    )
+
+
+def _fits_at(fits: Callable[[int, int], bool], indices: list, choice: int, at: int):
+    return fits(indices[at], choice)
+
+
+def _largest_fitting(count: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest index whose ``fits`` holds, ``fits`` false above some
+    index: the last, else (if the first fits) by bisection; None if none."""
+    if count == 0:
+        return None
+    if fits(count - 1):
+        return count - 1
+    if count == 1 or not fits(0):
+        return None
+    low, high = 0, count - 1  # fits(low), not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _check_candidates(candidates: Any, num_stages: int, repeats: int) -> list[int]:
+    """The candidate ``M``, sorted and deduplicated; default ``S 2**k``."""
+    if candidates is None:
+        return [num_stages * 2**k for k in range(6)]
+    candidates = list(candidates)
+    for num in candidates:
+        check_count("each candidate num_microbatches", num)
+    if not candidates:
+        raise ValueError("candidates is empty; give at least one M, or None.")
+    low = min(candidates)
+    if repeats > 1 and low < num_stages:
+        raise ValueError(
+            f"candidate num_microbatches={low} is below the {num_stages} stages, "
+            f"which repeats={repeats} needs (M >= S): drop it."
+        )
+    return sorted(set(candidates))
+
+
+def _rows(tree: Any) -> int:
+    leaves = jax.tree.leaves(tree)
+    if not leaves or not jnp.shape(leaves[0]):
+        raise ValueError(
+            "microbatch must hold arrays with a leading axis of rows (one "
+            "micro-batch of the whole mesh)."
+        )
+    return jnp.shape(leaves[0])[0]
+
+
+def _window_batch(microbatch: Any, num: int, mesh: Any, data_axis: str | None) -> Any:
+    """Shapes of a batch of ``num`` micro-batches like ``microbatch``, sharded
+    over ``data_axis`` on a concrete mesh (so each device counts its rows)."""
+    sharding = None
+    if isinstance(mesh, jax.sharding.Mesh):
+        sharding = NamedSharding(mesh, PartitionSpec(data_axis))
+
+    def window(leaf: Any) -> jax.ShapeDtypeStruct:
+        shape = jnp.shape(leaf)
+        return jax.ShapeDtypeStruct(
+            (shape[0] * num, *shape[1:]), jnp.result_type(leaf), sharding=sharding
+        )
+
+    return jax.tree.map(window, microbatch)
+
+
+def _measure(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
+    """Compiles the step of ``options`` on its window's batch; a row with
+    its memory (the bubble and efficiency left for the caller)."""
+    params, microbatch, key = args
+    device_mesh = resolve_mesh(mesh, options)
+    num = options.num_microbatches
+    assert num is not None
+    batch = _window_batch(microbatch, num, device_mesh, options.layout.data_axis)
+    step = make_pipeline(functions, options, mesh)
+    start = time.perf_counter()
+    compiled = jax.jit(step).lower(params, batch, key).compile()
+    seconds = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise ValueError(
+            f"The {jax.default_backend()} backend gives no memory analysis for "
+            "compiled programs, so plan_pipeline cannot measure the step."
+        )
+    return PipelinePlanRow(
+        num_microbatches=num,
+        remat=options.remat,
+        batch_size=num * _rows(microbatch),
+        bubble=0.0,
+        efficiency=0.0,
+        temp_bytes=analysis.temp_size_in_bytes,
+        total_bytes=total_bytes(analysis),
+        compile_seconds=seconds,
+        fits=False,
+    )
+
+
+def _recompute(
+    functions: tuple,
+    options: AccumOptions,
+    mesh: Any,
+    params: Any,
+    microbatch: Any,
+    key: Any,
+) -> tuple[float, bool]:
+    """A stage's forward FLOPs over its forward and backward FLOPs (what
+    ``remat`` adds to a tick), from ``cost_analysis()`` of one stage on one
+    micro-batch's activation; 1/3 and False where no FLOPs are counted."""
+    stage_fn, num = functions[0], options.num_microbatches
+    assert num is not None
+    device_mesh = resolve_mesh(mesh, options)
+    batch = _window_batch(microbatch, num, device_mesh, options.layout.data_axis)
+    prepared = prepare(functions, options, mesh, (params, batch, key))
+    stage_params, x = prepared.like[1], prepared.shapes.x
+    keyword = {"key": key} if key is not None and takes_key(stage_fn) else {}
+
+    def forward(p, x):
+        return stage_fn(p, x, **keyword)
+
+    def forward_and_backward(p, x):
+        y, pullback = jax.vjp(forward, p, x)
+        return pullback(y)
+
+    flops = []
+    for fn in (forward, forward_and_backward):
+        cost = jax.jit(fn).lower(stage_params, x).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        flops.append(float((cost or {}).get("flops", 0.0)))
+    if flops[0] <= 0 or flops[1] <= flops[0]:
+        return _ASSUMED_RECOMPUTE, False
+    return flops[0] / flops[1], True
+
+
+def _table(rows: tuple[PipelinePlanRow, ...], chosen: PipelinePlan | None) -> str:
+    header = ("M", "remat", "batch", "bubble", "efficiency", "temp", "total", "fits")
+    lines = [header] + [
+        (
+            str(row.num_microbatches),
+            _name(row.remat),
+            str(row.batch_size),
+            f"{row.bubble:.3f}",
+            f"{row.efficiency:.3f}",
+            format_bytes(row.temp_bytes),
+            format_bytes(row.total_bytes),
+            ("yes" if row.fits else "no")
+            + (
+                "  <- chosen"
+                if chosen is not None
+                and (row.num_microbatches, row.remat)
+                == (chosen.num_microbatches, chosen.remat)
+                else ""
+            ),
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in lines) for i in range(7)]
+    return "\n".join(
+        "  ".join(
+            [*(c.rjust(w) for c, w in zip(line[:7], widths, strict=True)), line[7]]
+        )
+        for line in lines
+    )
