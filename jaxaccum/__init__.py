@@ -101,7 +101,7 @@ _MOVED = {
     "EXAMPLES_ONLY": ("jaxaccum.growth", "EXAMPLES_ONLY"),
     "STEPS_ONLY": ("jaxaccum.growth", "STEPS_ONLY"),
     "NoiseMoments": ("jaxaccum.growth", "NoiseMoments"),
-    "NoiseScaleEMA": ("jaxaccum.growth", "NoiseScaleEMA"),
+    "NoiseScaleEMA": ("jaxaccum._shims", "NoiseScaleEMA"),
     "StepCost": ("jaxaccum.growth", "StepCost"),
     "measure_step_cost": ("jaxaccum.growth", "measure_step_cost"),
     "LearningRateRule": ("jaxaccum.growth", "LearningRateRule"),
@@ -139,5 +139,7 @@ def __getattr__(name: str) -> Any:
         )
         return getattr(importlib.import_module(module), new_name)
     if name in _GONE:
-        raise AttributeError(f"jaxaccum.{name} was removed: {_GONE[name]}")
+        from jaxaccum import _shims
+
+        raise _shims.removed_error(name, _GONE[name])
     raise AttributeError(f"module 'jaxaccum' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from jaxaccum import _compare, _metadata, _split
-from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
+from jaxaccum._options import COMPARE_REFUSED, AccumOptions
 from jaxaccum._value_and_grad import make_accumulated
 
 # A cause is named when its model of the error leaves a residual under this
@@ -203,7 +203,7 @@ def diagnose(
         "diagnose",
         num_microbatches,
         value_and_grad_kwargs,
-        refused={**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE},
+        refused=COMPARE_REFUSED,
     )
     accumulated, reference = _compare.accumulated_and_reference(fun, args, options)
     metadata = _compare.metadata_paths({"grads": reference[1]})

@@ -45,6 +45,9 @@ class Collective(NamedTuple):
       dtypes: the element type of each result array, e.g. ``("f32",)``: the
         precision the collective runs in (a sum of ``bf16`` arrays rounds
         to 8 bits at each step).
+      runs: how many times it runs per execution of the program: 1 outside
+        loops, the product of its loops' trip counts inside them, None where
+        the HLO does not state a loop's (``known_trip_count``).
     """
 
     op: str
@@ -53,6 +56,7 @@ class Collective(NamedTuple):
     group_size: int | None
     bytes: int
     dtypes: tuple[str, ...]
+    runs: int | None = 1
 
 
 def count_collectives(compiled: Any) -> dict[str, dict[str, int]]:
@@ -122,33 +126,49 @@ def _tally(compiled: Any, amount: Any) -> dict[str, dict[str, int]]:
     return totals
 
 
-def window_bytes(compiled: Any, num_microbatches: int) -> int:
+def window_bytes(compiled: Any, num_microbatches: int | None = None) -> int:
     """Bytes all collectives of an accumulated step move in one window.
 
-    Those outside the loop count once, those inside it ``num_microbatches``
-    times: ``outside + N * loop`` of :func:`collective_bytes`, summed over the
-    ops of :data:`COLLECTIVES`.
-
-    Assumes the step's only loop is the micro-batch loop (a loss with loops
-    of its own would count their collectives ``num_microbatches`` times too).
+    Each collective counts as many times as it runs: once outside loops, and
+    inside a loop as many times as the HLO says the loop runs
+    (``known_trip_count``: ``N`` for the micro-batch loop, ``N / unroll``
+    iterations of a body holding ``unroll`` copies, ``M R + S - 1`` ticks for
+    a pipeline), which the compiled HLO states for ``lax.scan``.
+    ``num_microbatches`` counts a loop whose trip count it does not state.
 
     Args:
       compiled: a compiled step, ``jax.jit(step).lower(*args).compile()``.
-      num_microbatches: N, the window's number of micro-batches.
+      num_microbatches: the iterations of a loop whose trip count the HLO
+        does not state (e.g. a ``while_loop``); not needed otherwise.
 
     Returns:
       The bytes, per device, that the window's collectives move (an int).
+
+    Raises:
+      ValueError: if a loop with collectives states no trip count and
+        ``num_microbatches`` is not given.
 
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
       >>> step = jax.jit(jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2))
       >>> compiled = step.lower(jnp.ones(3), jnp.ones((4, 3))).compile()
-      >>> jaxaccum.testing.window_bytes(compiled, num_microbatches=2)  # one device
+      >>> jaxaccum.testing.window_bytes(compiled)  # one device
       0
     """
-    totals = collective_bytes(compiled).values()
-    return sum(t["outside"] + num_microbatches * t["loop"] for t in totals)
+    total = 0
+    for collective in find_collectives(compiled):
+        runs = collective.runs
+        if runs is None:
+            if num_microbatches is None:
+                raise ValueError(
+                    f"A {collective.op} runs in a loop whose trip count the "
+                    "compiled HLO does not state; pass num_microbatches=, how "
+                    "many times that loop runs."
+                )
+            runs = num_microbatches
+        total += runs * collective.bytes
+    return total
 
 
 def find_collectives(compiled: Any) -> list[Collective]:
@@ -175,6 +195,7 @@ def find_collectives(compiled: Any) -> list[Collective]:
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     bodies = _computations(text)
     in_loop = _loop_computations(bodies)
+    runs = _runs(bodies)
     found = []
     for name, lines in bodies.items():
         for line in lines:
@@ -192,7 +213,9 @@ def find_collectives(compiled: Any) -> list[Collective]:
             shapes = tuple(f"{dtype}[{dims}]" for dtype, dims in arrays)
             dtypes = tuple(dtype for dtype, _ in arrays)
             found.append(
-                Collective(op, name in in_loop, shapes, group_size, size, dtypes)
+                Collective(
+                    op, name in in_loop, shapes, group_size, size, dtypes, runs(name)
+                )
             )
     return found
 
@@ -243,6 +266,42 @@ def _loop_computations(bodies: dict[str, list[str]]) -> set[str]:
             in_loop.add(name)
             pending |= callees(bodies.get(name, []), all_kinds)
     return in_loop
+
+
+_WHILE_BODY = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def _runs(bodies: dict[str, list[str]]) -> Any:
+    """``runs(name)``: how many times computation ``name`` runs per execution:
+    the product of the trip counts of the while loops it is (transitively)
+    the body of, None if one is not stated, 1 outside loops."""
+    trips: dict[str, int | None] = {}  # loop body -> its trip count
+    parent: dict[str, str] = {}  # computation -> a computation calling it
+    for caller, lines in bodies.items():
+        for line in lines:
+            body = _WHILE_BODY.search(line)
+            if body is not None:
+                count = _TRIP_COUNT.search(line)
+                trips[body.group(1)] = int(count.group(1)) if count else None
+            for _, callee in _CALLED.findall(line):
+                parent.setdefault(callee, caller)
+            for group in _BRANCHES.findall(line):
+                for callee in group.split(","):
+                    parent.setdefault(callee.strip().lstrip("%"), caller)
+
+    def runs(name: str) -> int | None:
+        total: int | None = 1
+        seen = set()
+        while name in parent and name not in seen:
+            seen.add(name)
+            if name in trips:
+                count = trips[name]
+                total = None if count is None or total is None else total * count
+            name = parent[name]
+        return total
+
+    return runs
 
 
 def _group_size(line: str) -> int | None:

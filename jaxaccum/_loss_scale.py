@@ -77,20 +77,18 @@ def dynamic_loss_scale(
       >>> float(scale.loss_scale), int(scale.counter), int(scale.period)
       (32768.0, 0, 1000)
     """
-    state = _checked("", (loss_scale, 0, period, factor, min_loss_scale))
-    concrete = not any(isinstance(value, jax.core.Tracer) for value in state)
-    if concrete and float(state.min_loss_scale) > float(state.loss_scale):
-        raise ValueError(
-            f"min_loss_scale={float(state.min_loss_scale)!r} is above "
-            f"loss_scale={float(state.loss_scale)!r}: the first backoff would "
-            "raise the scale. Pass a floor at most the initial scale."
-        )
-    return state
+    return _checked("", (loss_scale, 0, period, factor, min_loss_scale))
 
 
 def check_loss_scale(name: str, state: Any) -> DynamicLossScale:
     """``state`` checked to be a :class:`DynamicLossScale` of scalars in
     range (``name`` in the messages), in its canonical dtypes."""
+    if isinstance(state, LossScaleReport):
+        raise TypeError(
+            f"{name} was given a LossScaleReport, the window's report; pass "
+            f"its loss_scale field (report.loss_scale), the next window's "
+            "DynamicLossScale."
+        )
     if not isinstance(state, DynamicLossScale):
         raise TypeError(
             f"{name} must be a jaxaccum.DynamicLossScale, e.g. "
@@ -113,6 +111,14 @@ def _checked(prefix: str, values: tuple) -> DynamicLossScale:
     """The fields ``values`` checked (named ``prefix + field``) and cast."""
     for value, (field, integer, low, open_low) in zip(values, _FIELDS, strict=True):
         check_scalar(prefix + field, value, integer=integer, low=low, open_low=open_low)
+    scale, floor = values[0], values[4]
+    concrete = not any(isinstance(v, jax.core.Tracer) for v in (scale, floor))
+    if concrete and float(floor) > float(scale):
+        raise ValueError(
+            f"{prefix}min_loss_scale={float(floor)!r} is above "
+            f"{prefix}loss_scale={float(scale)!r}: the first backoff would "
+            "raise the scale. Pass a floor at most the scale."
+        )
     return DynamicLossScale(
         *(
             jnp.asarray(value, dtype)
@@ -149,6 +155,11 @@ def update_loss_scale(
     Returns:
       The next :class:`DynamicLossScale`.
 
+    Raises:
+      TypeError: for a ``state`` that is not a :class:`DynamicLossScale`
+        (a :class:`LossScaleReport`: pass its ``loss_scale``).
+      ValueError: for a field out of its range, or a floor above the scale.
+
     Examples:
       >>> import jaxaccum
       >>> scale = jaxaccum.dynamic_loss_scale(8.0, period=2)
@@ -160,11 +171,17 @@ def update_loss_scale(
       >>> float(jaxaccum.update_loss_scale(scale, False).loss_scale)
       4.0
     """
+    state = check_loss_scale("state", state)
     finite = _check_flag("finite", finite)
     grows = finite & (state.counter >= state.period - 1)
     grown = state.loss_scale * state.factor
     grown = jnp.where(jnp.isfinite(grown), grown, state.loss_scale)
-    backed_off = jnp.maximum(state.loss_scale / state.factor, state.min_loss_scale)
+    # A backoff never raises the scale (a traced floor above it is not
+    # refused when built).
+    backed_off = jnp.minimum(
+        jnp.maximum(state.loss_scale / state.factor, state.min_loss_scale),
+        state.loss_scale,
+    )
     loss_scale = jnp.where(
         finite, jnp.where(grows, grown, state.loss_scale), backed_off
     )

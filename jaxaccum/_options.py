@@ -124,9 +124,12 @@ def check_scalar(
     if isinstance(value, jax.core.Tracer):
         return
     number = value.item() if hasattr(value, "item") else value
-    in_range = math.isfinite(number) and (
-        (low is None or number > low or (number == low and not open_low))
-        and (high is None or number <= high)
+    if not math.isfinite(number):
+        raise ValueError(
+            f"{name} must be a finite number ({allowed}), got {number!r}.{suffix}"
+        )
+    in_range = (low is None or number > low or (number == low and not open_low)) and (
+        high is None or number <= high
     )
     if not in_range:
         raise ValueError(f"{name} must be {allowed}, got {number!r}.{suffix}")
@@ -552,6 +555,10 @@ NO_LOSS_SCALE = (
     "a loss scale changes neither memory nor the gradient it unscales: compare "
     "or plan without it."
 )
+
+# What the checks and plans that compare windows refuse (they build the
+# windows they compare, unscaled and unsharded).
+COMPARE_REFUSED: dict[str, str] = {**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE}
 
 
 def options_signature(

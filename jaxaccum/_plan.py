@@ -434,6 +434,16 @@ def plan_modes(
     Raises:
       ValueError: if no combination fits (with the table).
     """
+    chosen = "plan_modes compiles every param_gather x grad_reduce combination itself."
+    AccumOptions.check_keywords(
+        "plan_modes",
+        set(shard_kwargs) - {"data_axis"},  # shard_value_and_grad's own keyword
+        refused={
+            "param_gather": chosen,
+            "grad_reduce": chosen,
+            "loss_scale": NO_LOSS_SCALE,
+        },
+    )
     budget = parse_memory_budget(memory_budget)
     rows = []
     for gather in ("window", "microbatch"):

@@ -121,6 +121,14 @@ def register_batch_node(
             "the pytree node class whose static (tree_flatten aux) data holds "
             "the batch size."
         )
+    if not _is_pytree_node(node_type):
+        raise TypeError(
+            f"node_type {node_type.__name__} is not a pytree node type: JAX "
+            "takes its values as leaves, so nothing registered for it could "
+            "apply. Register it with JAX first (jax.tree_util."
+            "register_pytree_node_class, register_dataclass or "
+            "register_pytree_with_keys), then call register_batch_node."
+        )
     if resize is not None:
         _check_resize(resize)
     if node_type in _BATCH_NODES and _BATCH_NODES[node_type] is not resize:
@@ -131,6 +139,18 @@ def register_batch_node(
 # Types whose values are pytree leaves (or plain containers, split by their
 # children): registering one declares nothing.
 _LEAF_TYPES = (numbers.Number, str, bytes, np.ndarray, np.generic, jax.Array)
+
+
+def _is_pytree_node(node_type: type) -> bool:
+    """Whether JAX flattens values of ``node_type`` into children: a type
+    registered with it (JAX's registry, where it can be read), or a
+    NamedTuple (flattened as a tuple)."""
+    if issubclass(node_type, tuple) and hasattr(node_type, "_fields"):
+        return True
+    from jax._src import tree_util  # no public registry to read
+
+    registry = getattr(tree_util, "_registry", None)
+    return registry is None or node_type in registry
 
 
 def _check_resize(resize: Any) -> None:

@@ -12,7 +12,12 @@ from jax import lax
 
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
-from jaxaccum._loss_scale import loss_scale_report, pop_loss_scale, scale_loss
+from jaxaccum._loss_scale import (
+    loss_scale_report,
+    pop_loss_scale,
+    scale_loss,
+    select_if_finite,
+)
 from jaxaccum._noise_scale import window_stats
 from jaxaccum._options import (
     SHARD_OPTIONS,
@@ -27,6 +32,7 @@ from jaxaccum._window import (
     MicroResult,
     Window,
     WindowOut,
+    aux_pair,
     microbatch_share,
     weighted_pair,
     zeros_like_aval,
@@ -250,6 +256,12 @@ def make_accumulated(
         inputs = _inputs(args, options, split, active)._replace(loss_scale=loss_scale)
         run = _single if split.num_microbatches == 1 else _scan
         out = run(micro, inputs, options, split)
+        if scale is not None and options.state_nums:
+            # A window the scale skips leaves the carried state as it was,
+            # on every front end that writes it back (NNX in place).
+            finite = typing.cast(jax.Array, out.result.finite)
+            kept = select_if_finite(finite, out.new_state, inputs.state)
+            out = out._replace(new_state=kept)
         return _package(out, options, valid, scale)
 
     add_call_parameters(accumulated, fun, options)
@@ -340,15 +352,24 @@ def check_arg_count(args: tuple, options: AccumOptions) -> None:
 
 def _check_differentiable(args: tuple, argnums: tuple[int, ...]) -> None:
     for num in argnums:
-        for path, leaf in jax.tree_util.tree_leaves_with_path(args[num]):
-            dtype = jnp.result_type(leaf)
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                raise TypeError(
-                    f"Differentiated leaf args[{num}]{jax.tree_util.keystr(path)} "
-                    f"has dtype {dtype}; gradients need float (or complex) "
-                    "leaves. Cast it to a float dtype, or pass it in an argument "
-                    "that is not in argnums."
-                )
+        check_differentiable(
+            f"args[{num}]",
+            args[num],
+            "or pass it in an argument that is not in argnums.",
+        )
+
+
+def check_differentiable(label: str, tree: Any, fix: str) -> None:
+    """Every leaf of the differentiated ``tree`` (named ``label``) is float
+    or complex; else a TypeError naming the leaf, ending with ``fix``."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"Differentiated leaf {label}{jax.tree_util.keystr(path)} "
+                f"has dtype {dtype}; gradients need float (or complex) "
+                f"leaves. Cast it to a float dtype, {fix}"
+            )
 
 
 def _micro_value_and_grad(
@@ -387,7 +408,7 @@ def _micro_value_and_grad(
             out, new_state = out
             if isinstance(options.state_argnums, int):
                 new_state = (new_state,)
-        loss, aux = out if options.has_aux else (out, ())
+        loss, aux = aux_pair(out, "fun") if options.has_aux else (out, ())
         weight = ()
         if options.reduction == "weighted":
             loss, weight = weighted_pair(loss, "fun")

@@ -15,7 +15,7 @@ from jax import lax
 from jaxaccum import _metadata
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._loss_scale import tree_finite, unscale
-from jaxaccum._noise_scale import MicroStats, squared_norm
+from jaxaccum._noise_scale import MicroStats, in_stats_precision, squared_norm
 from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._split import Split, explicit_sharding
@@ -70,6 +70,19 @@ def weighted_pair(loss: Any, fun: str) -> tuple[Any, Any]:
             f"scalar, got shape {jnp.shape(loss[1])}."
         )
     return loss[0], loss[1]
+
+
+def aux_pair(out: Any, fun: str) -> tuple[Any, Any]:
+    """``(loss, aux)``, as a function (named ``fun`` in messages) built with
+    ``has_aux=True`` must return it: a pair."""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        shape = f" of shape {jnp.shape(out)}" if hasattr(out, "shape") else ""
+        raise TypeError(
+            f"With has_aux=True, {fun} must return a pair (loss, aux); got a "
+            f"{type(out).__name__}{shape}. Return (loss, {{}}) for no aux, or "
+            "build without has_aux."
+        )
+    return out[0], out[1]
 
 
 def microbatch_share(
@@ -415,12 +428,19 @@ class Window:
             weight = jnp.sum(example_mask, dtype=jnp.float32)
         else:
             weight = jnp.float32(self.split.microbatch_size)
-        # Of the loss's own gradient: the share and the loss scale divided out.
-        scale = result.share
+        # Of the loss's own gradient: the share and the loss scale divided out
+        # of each leaf before squaring (a squared scale of 2**64 overflows
+        # float32, and a squared share of a large window underflows).
+        scale = jnp.asarray(result.share, jnp.float32)
         if self.loss_scale is not None:
             scale = scale * self.loss_scale
-        sq_norm = squared_norm(_metadata.gradient_leaves(result.grads))
-        sq_norm = jnp.where(scale > 0, sq_norm / jnp.square(scale), 0)
+        positive = scale > 0
+        safe = jnp.where(positive, scale, 1)
+        leaves = [
+            in_stats_precision(g) / safe
+            for g in _metadata.gradient_leaves(result.grads)
+        ]
+        sq_norm = jnp.where(positive, squared_norm(leaves), 0)
         return MicroStats(finite, sq_norm, weight)
 
     def _sum_sq_norm(self, grad_sums: Any) -> jax.Array | None:

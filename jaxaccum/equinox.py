@@ -36,6 +36,7 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
     ) from error
 
 from jaxaccum._options import (
+    COMPARE_REFUSED,
     SHARD_OPTIONS,
     AccumOptions,
     check_accepts_example_mask,
@@ -232,7 +233,7 @@ def filter_assert_grads_match_full_batch(
         "filter_assert_grads_match_full_batch",
         value_and_grad_kwargs,
         fixed=("argnums",),
-        refused=SHARD_OPTIONS,
+        refused=COMPARE_REFUSED,
     )
 
     on_arrays, arrays = _on_arrays(fun, model)
@@ -290,7 +291,7 @@ def filter_diagnose(
         "filter_diagnose",
         value_and_grad_kwargs,
         fixed=("argnums",),
-        refused=SHARD_OPTIONS,
+        refused=COMPARE_REFUSED,
     )
 
     on_arrays, arrays = _on_arrays(fun, model)

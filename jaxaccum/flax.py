@@ -43,6 +43,7 @@ import optax
 from jaxaccum._metadata import OVERWRITE_WITH_GRADIENT
 from jaxaccum._multisteps import MultiSteps
 from jaxaccum._options import (
+    COMPARE_REFUSED,
     SHARD_OPTIONS,
     AccumOptions,
     check_accepts_example_mask,
@@ -69,10 +70,11 @@ _NNX_KEYS = (
 
 
 def _check_kwargs(helper: str, value_and_grad_kwargs: dict) -> None:
-    """The Flax front ends differentiate the parameters, split the batch (the
-    second argument) and carry the model's state: they set those roles."""
+    """The Flax checks differentiate the parameters, split the batch (the
+    second argument) and carry the model's state: they set those roles, and
+    compare unscaled, unsharded windows."""
     AccumOptions.check_keywords(
-        helper, value_and_grad_kwargs, fixed=_ROLES, refused=SHARD_OPTIONS
+        helper, value_and_grad_kwargs, fixed=_ROLES, refused=COMPARE_REFUSED
     )
 
 

@@ -21,7 +21,7 @@ from jaxaccum._hlo import (
     find_collectives,
     window_bytes,
 )
-from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
+from jaxaccum._options import COMPARE_REFUSED, AccumOptions
 
 __all__ = [
     "COLLECTIVES",
@@ -88,7 +88,7 @@ def assert_grads_match_full_batch(
         "assert_grads_match_full_batch",
         num_microbatches,
         value_and_grad_kwargs,
-        refused={**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE},
+        refused=COMPARE_REFUSED,
     )
     accumulated, reference = accumulated_and_reference(fun, args, options)
     try:

@@ -278,7 +278,12 @@ def check_collectives(case, compiled):
     reductions = [c for c in found if c.op in ("all-reduce", "reduce-scatter")]
     assert reductions and all(c.dtypes == ("f32",) * len(c.dtypes) for c in reductions)
     totals = collective_bytes(compiled)
-    moved_bytes = window_bytes(compiled, case.ticks)
+    # window_bytes counts each loop by the trip count the HLO states: the
+    # pipeline's ticks, not its M (issue 45, case 5: it took N for the loop).
+    assert all(c.runs == case.ticks for c in in_loop), (in_loop, case.ticks)
+    moved_bytes = window_bytes(compiled)
+    expected = sum(t["outside"] + case.ticks * t["loop"] for t in totals.values())
+    assert moved_bytes == expected, (moved_bytes, expected)
     return (
         f"loop permutes {len(in_loop)} x {activation_bytes(case)} B; outside "
         f"{sorted({c.op for c in found if not c.in_loop})}; all-reduce "

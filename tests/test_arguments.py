@@ -188,3 +188,10 @@ def test_remat_is_a_bool_or_a_checkpoint_policy(remat):
     callable") at trace time; it is refused when the step is built."""
     with pytest.raises(TypeError, match=r"remat must be True, False \(or None\)"):
         jaxaccum.value_and_grad(loss, 2, remat=remat)
+
+
+def test_has_aux_with_a_bare_loss_says_so():
+    """has_aux=True with a loss returning a scalar failed with JAX's
+    "iteration over a 0-d array" (issue 45)."""
+    with pytest.raises(TypeError, match=r"With has_aux=True, fun must return a pair"):
+        jaxaccum.value_and_grad(loss, 2, has_aux=True)(PARAMS, BATCH)

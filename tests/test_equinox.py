@@ -297,3 +297,16 @@ def test_bad_inputs_get_the_cores_errors(model):
         jaxaccum.equinox.filter_value_and_grad(mean_loss)
     with pytest.raises(TypeError, match="argnums"):
         jaxaccum.equinox.filter_grad(mean_loss, 4, argnums=1)
+
+
+@pytest.mark.parametrize(
+    "check", ["filter_diagnose", "filter_assert_grads_match_full_batch"]
+)
+def test_the_checks_refuse_a_loss_scale_under_their_own_name(check):
+    """They listed loss_scale among their options, then refused it under
+    the core check's name (issue 45)."""
+    with pytest.raises(TypeError, match=rf"{check} does not take loss_scale"):
+        getattr(jaxaccum.equinox, check)(None, None, loss_scale=True)
+    with pytest.raises(TypeError, match="unknown keyword") as info:
+        getattr(jaxaccum.equinox, check)(None, None, rduction="sum")
+    assert "loss_scale" not in str(info.value)

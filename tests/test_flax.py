@@ -417,3 +417,33 @@ def test_nnx_errors():
         )
     with pytest.raises(TypeError, match="sets batch_argnums itself"):
         jaxaccum.flax.nnx_value_and_grad(nnx_loss, 2, batch_argnums=0)
+
+
+def test_nnx_window_the_scale_skips_leaves_the_batch_stats_as_they_were():
+    """NNX writes the window's state into the model in place, so a window
+    that was not finite wrote inf/NaN running statistics that
+    select_if_finite on the parameters could not undo; every eval-mode
+    forward was NaN after one overflow (issue 45, case 2). A skipped window
+    leaves the carried state bitwise as it was; a finite one writes it."""
+    model, batch = MLP("batch"), make_batch()
+    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat))
+    step = nnx.jit(jaxaccum.flax.nnx_value_and_grad(nnx_loss, 4, loss_scale=True))
+    poisoned = {**batch, "x": batch["x"].at[5].set(jnp.inf)}
+    _, report = step(model, poisoned, loss_scale=jaxaccum.dynamic_loss_scale())
+    assert not bool(report.finite)
+    chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), before)
+    _, report = step(model, batch, loss_scale=jaxaccum.dynamic_loss_scale())
+    assert bool(report.finite)
+    moved = float(jnp.abs(model.norm.mean[...] - before["norm"]["mean"][...]).max())
+    assert moved > 1e-2, moved
+
+
+@pytest.mark.parametrize("check", ["linen_diagnose", "nnx_diagnose"])
+def test_the_checks_refuse_a_loss_scale_under_their_own_name(check):
+    """linen_diagnose listed loss_scale among its options, then refused it
+    under diagnose's name (issue 45)."""
+    with pytest.raises(TypeError, match=rf"{check} does not take loss_scale"):
+        getattr(jaxaccum.flax, check)(None, None, None, loss_scale=True)
+    with pytest.raises(TypeError, match="unknown keyword") as info:
+        getattr(jaxaccum.flax, check)(None, None, None, rduction="sum")
+    assert "loss_scale" not in str(info.value)

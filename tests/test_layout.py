@@ -1,6 +1,7 @@
 """The library a training stack imports: its surface, its imports, its options."""
 
 import ast
+import doctest
 import importlib
 import inspect
 import pathlib
@@ -8,6 +9,7 @@ import pkgutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +184,25 @@ def test_moved_names_warn_with_their_new_path(name):
     ):
         old = getattr(jaxaccum, name)
     assert old is getattr(importlib.import_module(module), new_name)
+    if module == "jaxaccum._shims":  # keeps 0.1's meaning or refuses its call
+        assert issubclass(old, getattr(jaxaccum.growth, new_name))
+
+
+def test_the_noise_scale_shim_refuses_a_per_window_decay():
+    """0.1's NoiseScaleEMA(0.9) decayed per window; the shim ran it as
+    half_life=0.9 examples, another average (a noise scale of 60 where 0.1
+    read 131; issue 45, case 4). It refuses the call with the conversion;
+    half_life= builds the growth namespace's class."""
+    with pytest.warns(DeprecationWarning):
+        shim = jaxaccum.NoiseScaleEMA
+    for call in (lambda: shim(0.9), lambda: shim(decay=0.9)):
+        with pytest.raises(
+            TypeError, match=r"0\.1's call, a decay per window.*6\.58 B"
+        ):
+            call()
+    ema = shim(half_life=256)
+    assert ema == jaxaccum.growth.NoiseScaleEMA(half_life=256)
+    assert type(ema) is jaxaccum.growth.NoiseScaleEMA
 
 
 def test_old_factory_calls_build_the_controllers():
@@ -197,6 +218,10 @@ def test_old_factory_calls_build_the_controllers():
 def test_removed_names_say_why(name):
     with pytest.raises(AttributeError, match=f"jaxaccum.{name} was removed: "):
         getattr(jaxaccum, name)
+    # On the from path too (Python's own "cannot import name" said only that).
+    with pytest.raises(ImportError, match=f"jaxaccum.{name} was removed: "):
+        exec(f"from jaxaccum import {name}", {})
+    assert not hasattr(jaxaccum, name)
 
 
 def test_grad_has_value_and_grads_explicit_keywords():
@@ -405,3 +430,36 @@ def test_every_claim_the_reruns_prove_names_tests_that_exist():
     assert not missing, f"CLAIMS name tests that do not exist: {missing}"
     absent = [path for path in LONGEST_FIRST if not (root / path).is_file()]
     assert not absent, f"LONGEST_FIRST names files that do not exist: {absent}"
+
+
+def _examples_0_1() -> dict[str, str]:
+    """tests/shims_0_1.txt: 0.1's docstring examples, by name."""
+    text = (pathlib.Path(__file__).parent / "shims_0_1.txt").read_text()
+    sections = text.split("\n## ")[1:]
+    return {s.split("\n", 1)[0]: s.split("\n", 1)[1].strip() + "\n" for s in sections}
+
+
+EXAMPLES_0_1 = _examples_0_1()
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES_0_1))
+def test_the_shims_run_0_1s_own_examples(name):
+    """Each moved name, called the way 0.1's docstring showed it: the same
+    output (its meaning kept), or, for NoiseScaleEMA(decay), the refusal
+    with the conversion (issue 45)."""
+    text = EXAMPLES_0_1[name]
+    if name == "NoiseScaleEMA":  # 0.1's call is refused, never reinterpreted
+        (call,) = [line[4:] for line in text.splitlines() if "NoiseScaleEMA(" in line]
+        assert call == "ema = jaxaccum.NoiseScaleEMA(decay=0.9)", call
+        with (
+            pytest.warns(DeprecationWarning),
+            pytest.raises(TypeError, match=r"jaxaccum 0\.1's call, a decay per window"),
+        ):
+            exec(call, {"jaxaccum": jaxaccum})
+        return
+    test = doctest.DocTestParser().get_doctest(text, {}, name, "jaxaccum 0.1", 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        runner.run(test, out=lambda _: None)
+    assert runner.failures == 0 and runner.tries > 0, (name, runner.summarize())

@@ -43,7 +43,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -611,3 +611,172 @@ def test_sharded_window_is_finite_on_every_device_or_none():
     )
     assert process.returncode == 0, process.stderr[-4000:]
     assert process.stdout.strip().endswith("ok"), process.stdout
+
+
+@pytest.mark.parametrize("exponent", [64, 80])
+def test_window_stats_under_a_large_scale_are_the_unscaled_ones(exponent):
+    """report_stats divided each micro-batch's squared norm by the square of
+    the scale in float32: from 2**64 (reached on its own where nothing
+    overflows: float32 or bfloat16 compute) the squared norms read 0 and the
+    noise scale went negative, at 2**80 NaN, the window finite. The scale is
+    divided out of each leaf before squaring: the stats are the unscaled
+    window's (a power of two: the same numbers but for the sums' order)."""
+    params, batch = f16_params(jnp.float32), f16_batch()
+    plain = jax.jit(jaxaccum.value_and_grad(f16_loss, 4, report_stats=True))
+    scaled = jax.jit(
+        jaxaccum.value_and_grad(f16_loss, 4, report_stats=True, loss_scale=True)
+    )
+    scale = jaxaccum.dynamic_loss_scale(2.0**exponent)
+    out, report = scaled(params, batch, loss_scale=scale)
+    assert bool(report.finite)
+    chex.assert_trees_all_close((out, report.report), plain(params, batch), rtol=RTOL)
+    assert float(report.report.microbatch_grad_sq_norm.min()) > 0
+
+
+def test_a_scale_state_is_checked_in_one_place_wherever_it_comes_from():
+    """A DynamicLossScale built directly (a NamedTuple) with its floor above
+    its scale was accepted, and the first backoff raised the scale (4 -> 16);
+    update_loss_scale given the report failed with AttributeError 'counter'
+    (issue 45, case 7). Every state goes through check_loss_scale; a backoff
+    never raises the scale, even traced."""
+    direct = jaxaccum.DynamicLossScale(
+        jnp.float32(4.0),
+        jnp.int32(0),
+        jnp.int32(10),
+        jnp.float32(2.0),
+        jnp.float32(16.0),
+    )
+    with pytest.raises(ValueError, match="min_loss_scale=16.0 is above"):
+        jaxaccum.update_loss_scale(direct, jnp.bool_(False))
+    scaled = jaxaccum.value_and_grad(lambda w, x: jnp.mean(x @ w), 2, loss_scale=True)
+    with pytest.raises(ValueError, match=r"loss_scale.min_loss_scale=16.0 is above"):
+        scaled(jnp.ones(2), jnp.ones((4, 2)), loss_scale=direct)
+    traced = jax.jit(jaxaccum.update_loss_scale)(direct, jnp.bool_(False))
+    assert float(traced.loss_scale) == 4.0  # not raised to the floor
+    _, report = scaled(
+        jnp.ones(2), jnp.ones((4, 2)), loss_scale=jaxaccum.dynamic_loss_scale()
+    )
+    with pytest.raises(TypeError, match=r"pass its loss_scale field"):
+        jaxaccum.update_loss_scale(report, jnp.bool_(True))
+    with pytest.raises(TypeError, match="must be a jaxaccum.DynamicLossScale"):
+        jaxaccum.update_loss_scale(tuple(direct), jnp.bool_(True))
+    with pytest.raises(ValueError, match=r"loss_scale must be a finite number"):
+        jaxaccum.dynamic_loss_scale(float("inf"))
+    with pytest.raises(ValueError, match=r"factor must be a finite number"):
+        jaxaccum.dynamic_loss_scale(factor=float("nan"))
+
+
+# A skipped window and the state it carries (issue 45, case 2), on every
+# front end that carries state, crossed with the reports and N.
+
+
+def _running_mean_loss(w, state, batch):
+    """A loss whose state is a running mean of its inputs (BatchNorm's)."""
+    new_state = 0.9 * state + 0.1 * jnp.mean(batch["x"], 0)
+    return jnp.mean(jnp.tanh(batch["x"] @ w) * batch["boost"][:, None]), new_state
+
+
+def _stateful_step(front_end, num, report):
+    """``(run, initial)``: ``run(batch, scale) -> (state after, report)``
+    for ``front_end``, and the state before any window."""
+    import equinox as eqx
+    import flax.linen as linen
+    from flax import nnx
+
+    options = {"loss_scale": True, **({report: True} if report else {})}
+    w = jnp.full((FEATURES, 2), 0.01)
+    zeros = jnp.zeros(FEATURES)
+    if front_end in ("value_and_grad", "equinox"):
+        if front_end == "value_and_grad":
+            step = jax.jit(
+                jaxaccum.value_and_grad(
+                    _running_mean_loss,
+                    num,
+                    state_argnums=1,
+                    batch_argnums=2,
+                    **options,
+                )
+            )
+        else:
+            step = eqx.filter_jit(
+                jaxaccum.equinox.filter_value_and_grad(
+                    _running_mean_loss, num, state_argnums=1, batch_argnums=2, **options
+                )
+            )
+
+        def run(batch, scale):
+            (_, state), out = step(w, zeros, batch, loss_scale=scale)
+            return state, out
+
+        return run, zeros
+    if front_end == "linen":
+        model = linen.Sequential([linen.Dense(2), linen.BatchNorm(False)])
+        variables = model.init(jax.random.key(0), jnp.zeros((1, FEATURES)))
+
+        def loss(variables, batch):
+            out, updates = model.apply(variables, batch["x"], mutable="batch_stats")
+            return jnp.mean(out * batch["boost"][:, None]), updates
+
+        step = jax.jit(
+            jaxaccum.flax.linen_value_and_grad(
+                loss, num, mutable="batch_stats", **options
+            )
+        )
+
+        def run(batch, scale):
+            (_, updates), out = step(variables, batch, loss_scale=scale)
+            return updates["batch_stats"], out
+
+        return run, variables["batch_stats"]
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.dense = nnx.Linear(FEATURES, 2, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(self.dense(x))
+
+    net = Net()
+    step = nnx.jit(
+        jaxaccum.flax.nnx_value_and_grad(
+            lambda net, batch: jnp.mean(net(batch["x"]) * batch["boost"][:, None]),
+            num,
+            **options,
+        )
+    )
+
+    def stats():
+        return jax.tree.map(jnp.copy, nnx.state(net, nnx.BatchStat))
+
+    def run(batch, scale):
+        _, out = step(net, batch, loss_scale=scale)
+        return stats(), out
+
+    return run, stats()
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
+@given(
+    front_end=st.sampled_from(["value_and_grad", "equinox", "linen", "nnx"]),
+    num=st.sampled_from([1, 4]),
+    report=st.sampled_from([None, "report_stats", "report_finite"]),
+)
+@example(front_end="nnx", num=4, report=None)  # the case found
+def test_a_skipped_window_leaves_the_carried_state_as_it_was(front_end, num, report):
+    """An inf row makes the window not finite: the state it leaves is the
+    state it was given, bitwise, on every front end that carries state, with
+    every report (NNX wrote inf running statistics into the model); a finite
+    window writes the new state."""
+    scale = jaxaccum.dynamic_loss_scale()
+    batch = f16_batch()
+    batch = {**batch, "x": batch["x"].astype(jnp.float32) * 2.0**-12}
+    bad = {**batch, "x": batch["x"].at[5].set(jnp.inf)}
+    run, initial = _stateful_step(front_end, num, report)
+    state, out = run(bad, scale)
+    assert not bool(out.finite)
+    chex.assert_trees_all_equal(state, initial)
+    state, out = run(batch, scale)
+    assert bool(out.finite)
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), state, initial)
+    assert max(jax.tree.leaves(moved)) > 1e-3, moved

@@ -272,3 +272,27 @@ def test_device_budget_reads_bytes_limit(monkeypatch):
 
     monkeypatch.setattr(jax, "local_devices", lambda: [FakeDevice()])
     assert jaxaccum.parse_memory_budget("Device") == 80 * 2**30
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"loss_scale": True}, "plan_modes does not take loss_scale"),
+        ({"param_gather": "window"}, "plan_modes does not take param_gather"),
+        ({"grad_reduce": "window"}, "plan_modes does not take grad_reduce"),
+        ({"rduction": "sum"}, "plan_modes got an unknown keyword argument 'rduction'"),
+    ],
+)
+def test_plan_modes_checks_its_keywords_under_its_own_name(keywords, message):
+    """plan_modes forwarded its keywords to shard_value_and_grad unchecked:
+    loss_scale got the per-call message, param_gather Python's "multiple
+    values", a typo was reported under another function's name (issue 45)."""
+    with pytest.raises(TypeError, match=message):
+        jaxaccum.plan_modes(
+            lambda w, x: jnp.mean(x @ w),
+            jnp.ones(2),
+            jnp.ones((4, 2)),
+            num_microbatches=2,
+            memory_budget="1GiB",
+            **keywords,
+        )

@@ -516,8 +516,12 @@ def test_schedule_returning_float_is_rejected():
         (jnp.array(True), TypeError, "numeric"),
         # Issue 35, case 12: a negative weight emitted (3 g1 - g2) / 2.
         (-1.0, ValueError, "weight must be >= 0.0, got -1.0"),
-        (np.float32(np.nan), ValueError, "weight must be >= 0.0, got nan"),
-        (jnp.inf, ValueError, "weight must be >= 0.0, got inf"),
+        (
+            np.float32(np.nan),
+            ValueError,
+            r"weight must be a finite number \(>= 0.0\), got nan",
+        ),
+        (jnp.inf, ValueError, r"weight must be a finite number \(>= 0.0\), got inf"),
     ],
 )
 def test_bad_weight_is_rejected(weight, error, match):

@@ -11,17 +11,20 @@ schedule's properties, the options against the sequential model on a mesh of
 one stage, and the errors bad input gets.
 """
 
+import contextlib
 import functools
 import itertools
+from typing import Any, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import test_loss_scale as loss_scale_tests
 from check_scripts import run_script, selected_checks
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
 from pipeline_checks import CHECKS, RTOL, make_batch, make_params, sequential
@@ -390,7 +393,7 @@ def test_fsdp_modes_are_the_cores_and_microbatch_is_refused(name):
         build(**{name: "microbatch"})
 
 
-@pytest.mark.parametrize("unroll", [1.5, "2", None, 0])
+@pytest.mark.parametrize("unroll", [1.5, "2", None, 0, jnp.asarray(2)])
 def test_unroll_is_checked_as_everywhere(unroll):
     with pytest.raises((TypeError, ValueError), match="unroll"):
         build(unroll=unroll)
@@ -649,3 +652,235 @@ def test_plan_pipeline_candidates_below_the_stages_with_repeats():
 def test_plan_pipeline_checks_remat_as_the_step_does():
     with pytest.raises((TypeError, ValueError), match="remat"):
         planned(remat="yes")
+
+
+@pytest.mark.parametrize("exponent", [64, 80])
+def test_pipeline_stats_under_a_large_scale_are_the_unscaled_ones(exponent):
+    """The probes squared each piece's scaled gradient: at a scale of 2**64
+    that overflows float32 (inf squared norms, a window still finite). The
+    scale is divided out of each leaf before squaring (issue 45, case 3)."""
+    params = f16_pipeline_params(jnp.float32)
+    batch = loss_scale_tests.f16_batch()
+    plain = jax.jit(f16_pipeline(4, report_stats=True))(params, batch)
+    step = jax.jit(f16_pipeline(4, report_stats=True, loss_scale=True))
+    scale = jaxaccum.dynamic_loss_scale(2.0**exponent)
+    out, report = step(params, batch, loss_scale=scale)
+    assert bool(report.finite)
+    chex.assert_trees_all_close((out, report.report), plain, rtol=RTOL)
+    assert float(report.report.microbatch_grad_sq_norm.min()) > 0
+
+
+# Issue 45's pipeline errors: jaxaccum's own message, or the right result.
+
+
+def test_integer_and_bool_leaves_ride_through_the_stages():
+    """Labels and masks carried in the activation (embed_fn=None) failed in
+    the stage's gated backward ("float0 is not a valid dtype"): they have no
+    gradient, and the result is the sequential model's."""
+    params, batch = one_device_case(1)
+    batch = {**batch, "label": jnp.arange(16) % 3, "keep": jnp.arange(16) % 2 == 0}
+
+    def stage(params, micro):
+        return {**micro, "x": jnp.tanh(micro["x"] @ params["w"][:4, :4])}
+
+    def loss(head, micro, _):
+        error = micro["x"] @ head["w"][:4] - micro["y"] - micro["label"][:, None]
+        return jnp.mean(jnp.where(micro["keep"][:, None], error**2, 0))
+
+    step = pipeline_value_and_grad(stage, loss, NUM, mesh=MESH)
+    value, grads = jax.jit(step)((None, params[1], params[2]), batch)
+
+    def whole(stages, head):
+        return loss(head, stage(jax.tree.map(lambda p: p[0], stages), batch), batch)
+
+    expected = jax.value_and_grad(whole, argnums=(0, 1))(params[1], params[2])
+    chex.assert_trees_all_close((value, grads[1:]), expected, rtol=RTOL, atol=RTOL)
+
+
+class Parts(NamedTuple):
+    embed: Any
+    stages: Any
+    head: Any
+
+
+@pytest.mark.parametrize("container", [list, Parts], ids=["list", "namedtuple"])
+def test_gradients_have_the_params_container(container):
+    """Params given as a list or a NamedTuple came back as a plain tuple of
+    gradients, so optax.apply_updates failed on the structures."""
+    params, batch = one_device_case(1)
+    given = container(params) if container is list else container(*params)
+    _, grads = jax.jit(build())(given, batch)
+    assert type(grads) is container
+    updated = optax.apply_updates(given, grads)
+    assert jax.tree.structure(updated) == jax.tree.structure(given)
+
+
+def test_an_integer_parameter_is_refused_naming_it():
+    params, batch = one_device_case(1)
+    params = (params[0], {**params[1], "step": jnp.zeros(1, jnp.int32)}, params[2])
+    message = call_error(build(), params=params, batch=batch)
+    assert "params[1]['step'] has dtype int32" in message, message
+
+
+def test_a_mesh_that_is_not_one_is_refused():
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        pipeline_value_and_grad(dense, mse, NUM, mesh="stage", embed_fn=embed)
+    step = pipeline_value_and_grad(
+        dense, mse, NUM, mesh=MESH.abstract_mesh, embed_fn=embed
+    )
+    params, batch = one_device_case(1)
+    with pytest.raises(ValueError, match="inside `with jax.set_mesh"):
+        step(params, batch)
+    with jax.set_mesh(MESH):  # its abstract mesh is the one set
+        loss, _ = jax.jit(step)(params, batch)
+    assert bool(jnp.isfinite(loss))
+
+
+def test_has_aux_with_a_bare_loss_says_so():
+    message = call_error(build(has_aux=True))
+    assert "With has_aux=True, loss_fn must return a pair (loss, aux)" in message
+
+
+# The pipeline's options, drawn (issue 45): the dtypes of weights, aux and
+# activations, accum_dtype, unroll, mesh forms, params containers, reports
+# and the loss scale, against the sequential model on the whole batch.
+
+PIPELINE_CHOICES = {
+    "reduction": ["mean", "sum", "weighted"],
+    "weight_dtype": [jnp.int32, jnp.float32],
+    "aux_dtype": [jnp.int32, jnp.float32],
+    "aux_reduction": ["mean", "sum"],
+    "accum_dtype": [None, jnp.float32, jnp.float16, jnp.bfloat16],
+    "unroll": [1, 2, True],
+    "abstract_mesh": [False, True],
+    "container": [tuple, list, Parts],
+    "report": [None, "report_stats", "report_finite"],
+    "scale_exponent": [None, 0, 64, 80],
+    "repeats": [1, 2],
+}
+PIPELINE_OPTIONS = {name: st.sampled_from(v) for name, v in PIPELINE_CHOICES.items()}
+
+
+def drawn_loss(reduction, weight_dtype, aux_dtype):
+    """A loss with token counts of ~10k a row (a window of 160k: float16
+    overflows), an aux past float32's integers (int32) and a bool mask
+    carried in the activation."""
+
+    def loss(head, micro, _):
+        rows = jnp.sum((micro["x"] @ head["w"][:4] - micro["y"]) ** 2, -1)
+        rows = jnp.where(micro["keep"], rows, 0)
+        count = micro["count"].astype(weight_dtype)
+        big = jnp.sum(micro["big"]).astype(aux_dtype)
+        if reduction == "weighted":
+            return (jnp.sum(count.astype(jnp.float32) * rows), jnp.sum(count)), big
+        if reduction == "sum":
+            return jnp.sum(rows), big
+        return jnp.mean(rows), big
+
+    return loss
+
+
+def drawn_stage(params, micro):
+    return {**micro, "x": jnp.tanh(micro["x"] @ params["w"][:4, :4] + params["b"][:4])}
+
+
+EXAMPLE = {  # every option at its first value, then each issue-45 case
+    name: strategy.elements[0] for name, strategy in PIPELINE_OPTIONS.items()
+}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(**PIPELINE_OPTIONS)
+@example(  # case 1: token counts summed in float16 overflowed
+    **{**EXAMPLE, "reduction": "weighted", "accum_dtype": jnp.float16}
+)
+@example(  # case 6: an int32 aux summed as float32; case 3: stats at 2**64
+    **{
+        **EXAMPLE,
+        "aux_dtype": jnp.int32,
+        "aux_reduction": "sum",
+        "report": "report_stats",
+        "scale_exponent": 64,
+    }
+)
+def test_pipeline_options_drawn_against_the_sequential_model(
+    reduction,
+    weight_dtype,
+    aux_dtype,
+    aux_reduction,
+    accum_dtype,
+    unroll,
+    abstract_mesh,
+    container,
+    report,
+    scale_exponent,
+    repeats,
+):
+    params = make_params(repeats)
+    batch = counted_batch(weight_dtype)
+    batch = {**batch, "keep": jnp.arange(4 * NUM) % 3 != 0}
+    loss = drawn_loss(reduction, weight_dtype, aux_dtype)
+    options = {"report_stats": True} if report == "report_stats" else {}
+    options |= {"report_finite": True} if report == "report_finite" else {}
+    options |= {"loss_scale": True} if scale_exponent is not None else {}
+    step = pipeline_value_and_grad(
+        drawn_stage,
+        loss,
+        NUM,
+        mesh=MESH.abstract_mesh if abstract_mesh else MESH,
+        repeats=repeats,
+        reduction=reduction,
+        has_aux=True,
+        aux_reduction=aux_reduction,
+        accum_dtype=accum_dtype,
+        unroll=unroll,
+        **options,
+    )
+    given_params = (None, params[1], params[2])
+    given_params = (
+        container(*given_params) if container is Parts else container(given_params)
+    )
+    call = (
+        {}
+        if scale_exponent is None
+        else {"loss_scale": jaxaccum.dynamic_loss_scale(2.0**scale_exponent)}
+    )
+    with jax.set_mesh(MESH) if abstract_mesh else contextlib.nullcontext():
+        out = jax.jit(step)(given_params, batch, **call)
+    report_out = None
+    if scale_exponent is not None:
+        out, scaled = out
+        assert bool(scaled.finite)
+        report_out = scaled.report if report else None
+    elif report:
+        out, report_out = out
+    (value, aux), grads = out
+    assert type(grads) is container
+
+    def whole(stages, head):
+        micro = batch
+        for layer in range(repeats):
+            micro = drawn_stage(jax.tree.map(lambda p, i=layer: p[i], stages), micro)
+        out, big = loss(head, micro, None)
+        if reduction == "weighted":
+            total, weight = out
+            return total / weight, big
+        return out, big  # a mean of NUM equal pieces is the whole batch's
+
+    (expected, _), expected_grads = jax.value_and_grad(whole, (0, 1), has_aux=True)(
+        params[1], params[2]
+    )
+    chex.assert_trees_all_close(
+        (value, tuple(grads)[1:]), (expected, expected_grads), rtol=RTOL, atol=RTOL
+    )
+    pieces = [int(jnp.sum(batch["big"][k::NUM])) for k in range(NUM)]
+    if aux_reduction == "sum":
+        assert aux.dtype == aux_dtype, aux.dtype
+        assert float(aux) == float(jnp.asarray(sum(pieces), aux_dtype))
+    else:
+        chex.assert_trees_all_close(aux, jnp.float32(sum(pieces) / NUM), rtol=RTOL)
+    if report == "report_stats":
+        assert float(report_out.microbatch_grad_sq_norm.min()) > 0
+        assert bool(jnp.all(jnp.isfinite(report_out.microbatch_grad_sq_norm)))
+    if report == "report_finite":
+        assert bool(report_out.finite)

@@ -419,6 +419,11 @@ def test_one_padded_micro_batch_is_labelled_with_its_rows():
     )
 
 
+class NotANode:
+    """A class JAX takes as a leaf (issue 45, case 8: registering it was
+    accepted silently and could never apply)."""
+
+
 @pytest.mark.parametrize(
     ("node_type", "resize", "message"),
     [
@@ -427,6 +432,7 @@ def test_one_padded_micro_batch_is_labelled_with_its_rows():
         (Labelled, lambda static: static, "two positional arguments"),
         (Labelled, "size", "must be a function"),
         ("Labelled", None, "must be a class"),
+        (NotANode, None, "NotANode is not a pytree node type"),
     ],
 )
 def test_register_batch_node_refuses_what_cannot_work(node_type, resize, message):

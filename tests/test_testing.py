@@ -6,6 +6,8 @@ import pytest
 from models import classification_batch, mlp_loss, mlp_params
 from tolerances import ATOL, RTOL
 
+import jaxaccum
+import jaxaccum.testing
 from jaxaccum.testing import assert_grads_match_full_batch
 
 
@@ -64,3 +66,41 @@ def test_accepts_report_finite_and_state():
         rtol=RTOL,
         atol=ATOL,
     )
+
+
+def test_window_bytes_counts_each_loop_by_its_trip_count():
+    """window_bytes took num_microbatches for every loop: a scan unrolled by
+    2 runs N / 2 iterations of a body holding two copies (counted 2N times),
+    a pipeline runs M R + S - 1 ticks (issue 45, case 5). It reads each
+    loop's trip count from the HLO; the 8-device pipeline checks compare it
+    with the ticks."""
+    from jaxaccum._hlo import _computations, _runs
+
+    text = (
+        "HloModule m\n\n"
+        "%body.1 (p: (s32[])) -> (s32[]) {\n"
+        "  %cp = f32[4]{0} collective-permute(f32[4]{0} %x), "
+        "source_target_pairs={{0,1}}\n"
+        "}\n\n"
+        "%inner (p: (s32[])) -> (s32[]) {\n"
+        "  %ar = f32[2]{0} all-reduce(f32[2]{0} %y), replica_groups={{0,1}}\n"
+        "}\n\n"
+        "%body.2 (p: (s32[])) -> (s32[]) {\n"
+        "  %w2 = (s32[]) while((s32[]) %p), condition=%c, body=%inner, "
+        'backend_config={"known_trip_count":{"n":"3"}}\n'
+        "}\n\n"
+        "ENTRY %main () -> f32[] {\n"
+        "  %w = (s32[]) while((s32[]) %i), condition=%c, body=%body.1, "
+        'backend_config={"known_trip_count":{"n":"7"}}\n'
+        "  %v = (s32[]) while((s32[]) %i), condition=%c, body=%body.2, "
+        'backend_config={"known_trip_count":{"n":"5"}}\n'
+        "  %ag = f32[8]{0} all-gather(f32[4]{0} %z), replica_groups={{0,1}}\n"
+        "}\n"
+    )
+    runs = _runs(_computations(text))
+    assert (runs("body.1"), runs("inner"), runs("main")) == (7, 15, 1)
+    assert jaxaccum.testing.window_bytes(text) == 7 * 16 + 15 * 8 + 32
+    unknown = text.replace('backend_config={"known_trip_count":{"n":"7"}}', "")
+    with pytest.raises(ValueError, match="pass num_microbatches="):
+        jaxaccum.testing.window_bytes(unknown)
+    assert jaxaccum.testing.window_bytes(unknown, 4) == 4 * 16 + 15 * 8 + 32

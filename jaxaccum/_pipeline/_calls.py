@@ -11,9 +11,15 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum._noise_scale import squared_norm
+from jaxaccum._noise_scale import in_stats_precision, squared_norm
 from jaxaccum._options import AccumOptions
-from jaxaccum._window import AuxPlan, accum_dtype_for, sum_dtype, weighted_pair
+from jaxaccum._window import (
+    AuxPlan,
+    accum_dtype_for,
+    aux_pair,
+    sum_dtype,
+    weighted_pair,
+)
 
 
 class LossOut(NamedTuple):
@@ -82,7 +88,7 @@ def _keyword(fn: Callable[..., Any] | None, key: Any) -> dict:
 
 def _as_loss_out(out: Any, options: AccumOptions) -> LossOut:
     """``loss_fn``'s result as a :class:`LossOut`, in its own dtypes."""
-    loss, aux = out if options.has_aux else (out, ())
+    loss, aux = aux_pair(out, "loss_fn") if options.has_aux else (out, ())
     weight: Any = ()
     if options.reduction == "weighted":
         loss, weight = weighted_pair(loss, "loss_fn")
@@ -137,6 +143,13 @@ def _stage_policy(remat: Any) -> Callable[..., bool]:
     return policy
 
 
+def probed_norm(grad: Any, divisor: jax.Array) -> jax.Array:
+    """The float32 squared norm of ``grad / divisor``: a probe's value (the
+    loss scale, or 1) divided out of each leaf before squaring (squared, a
+    scale of 2**64 overflows float32)."""
+    return squared_norm(jax.tree.map(lambda g: in_stats_precision(g) / divisor, grad))
+
+
 def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., Any]:
     """``stage(own, repeat, x, key)`` as ``gated(accum, own, repeat, valid,
     probe, x, key)``, whose backward pass selects its cotangents away unless
@@ -145,7 +158,8 @@ def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., A
     up to ``accum``'s dtype (the gradient accumulates there across ticks).
     ``own`` is ``accum`` in the parameters' own dtype, cast once before the
     loop: no forward operation touches the parameters per tick. With a
-    ``probe``, its cotangent is the squared norm of the (gated) gradient."""
+    ``probe``, its cotangent is the squared norm of the (gated) gradient
+    over the probe's value (:func:`probed_norm`)."""
 
     @jax.custom_vjp
     def gated(accum, own, repeat, valid, probe, x, key):
@@ -167,9 +181,14 @@ def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., A
             own_grad,
         )
         probe_grad = (
-            None if probe is None else jnp.zeros_like(probe) + squared_norm(grad)
+            None if probe is None else jnp.zeros_like(probe) + probed_norm(grad, probe)
         )
-        x_grad = jax.tree.map(lambda g: jnp.where(valid, g, 0), x_grad)
+        # Integer and bool leaves of x (labels, masks carried through the
+        # stages) have float0 cotangents: nothing to select.
+        x_grad = jax.tree.map(
+            lambda g: g if g.dtype == jax.dtypes.float0 else jnp.where(valid, g, 0),
+            x_grad,
+        )
         return grad, None, None, None, probe_grad, x_grad, None
 
     gated.defvjp(forward, backward)

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import _split
-from jaxaccum._noise_scale import squared_norm
 from jaxaccum._options import AccumOptions
-from jaxaccum._pipeline._calls import Calls, LossOut
+from jaxaccum._pipeline._calls import Calls, LossOut, probed_norm
 from jaxaccum._pipeline._schedule import Schedule
 
 
@@ -40,7 +39,8 @@ def _varying(tree: Any, axes: tuple[str, ...]) -> Any:
 @jax.custom_vjp
 def _probe(tree: Any, probe: jax.Array) -> Any:
     """``tree`` unchanged; in the backward pass the cotangent of ``probe``
-    is the float32 squared norm of ``tree``'s (``report_stats``)."""
+    is the float32 squared norm of ``tree``'s divided by ``probe``'s value
+    (the loss scale, or 1) before squaring (``report_stats``)."""
     del probe
     return tree
 
@@ -50,7 +50,7 @@ def _probe_fwd(tree: Any, probe: jax.Array) -> tuple[Any, jax.Array]:
 
 
 def _probe_bwd(probe: jax.Array, cotangent: Any) -> tuple[Any, jax.Array]:
-    return cotangent, jnp.zeros_like(probe) + squared_norm(cotangent)
+    return cotangent, jnp.zeros_like(probe) + probed_norm(cotangent, probe)
 
 
 _probe.defvjp(_probe_fwd, _probe_bwd)

@@ -28,6 +28,7 @@ from jaxaccum._options import (
 from jaxaccum._pipeline._calls import LossOut, takes_key
 from jaxaccum._pipeline._layout import (
     Prepared,
+    check_callable_mesh,
     explicit,
     layout_specs,
     place,
@@ -39,6 +40,7 @@ from jaxaccum._pipeline._layout import (
 from jaxaccum._pipeline._loop import Probes, on_device
 from jaxaccum._pipeline._schedule import schedule_on
 from jaxaccum._pipeline._stats import pipeline_stats
+from jaxaccum._value_and_grad import check_differentiable
 from jaxaccum._window import (
     AuxPlan,
     FiniteReport,
@@ -94,16 +96,19 @@ def _probed(options: AccumOptions) -> bool:
 
 
 def _probes(
-    prepared: Prepared, options: AccumOptions
+    prepared: Prepared, options: AccumOptions, loss_scale: jax.Array | None
 ) -> tuple[Probes | None, PartitionSpec | None]:
-    """With ``report_stats`` or ``report_finite``, the :class:`Probes`
-    (zeros) and their spec."""
+    """With ``report_stats`` or ``report_finite``, the :class:`Probes` and
+    their spec. Their values are what each piece's gradient is divided by
+    before it is squared: the loss scale, or 1."""
     if not _probed(options):
         return None, None
     schedule = prepared.schedule
     devices = (schedule.num_stages, prepared.shards)
-    per_micro = jnp.zeros((*devices, schedule.num_microbatches), jnp.float32)
-    per_tick = jnp.zeros((*devices, schedule.num_ticks), jnp.float32)
+    divisor = jnp.float32(1) if loss_scale is None else loss_scale
+    divisor = jnp.asarray(divisor, jnp.float32)
+    per_micro = jnp.full((*devices, schedule.num_microbatches), divisor)
+    per_tick = jnp.full((*devices, schedule.num_ticks), divisor)
     spec = PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
     return place(Probes(per_micro, per_tick, per_micro), prepared.mesh, spec), spec
 
@@ -143,7 +148,7 @@ def _differentiate(
     )
     batch = place(batch, mesh, PartitionSpec(options.layout.data_axis))
     key = place(key, mesh, PartitionSpec())
-    probes, probe_spec = _probes(prepared, options)
+    probes, probe_spec = _probes(prepared, options, loss_scale)
     window = functools.partial(
         on_device,
         prepared.calls,
@@ -200,14 +205,12 @@ def _unshared(probes: Probes | None, share: jax.Array) -> Probes | None:
 
 
 def _unscaled(raw: _Raw, loss_scale: jax.Array) -> _Raw:
-    """``raw`` with its gradients (in their dtype) and probes (twice: squared
-    norms) divided by the loss scale, and whether the window is finite."""
+    """``raw`` with its gradients (in their dtype) divided by the loss scale
+    (the probes' squared norms already were, leaf by leaf), and whether the
+    window is finite."""
     grads = jax.tree.map(lambda g: unscale(g, loss_scale).astype(g.dtype), raw.grads)
-    probes = jax.tree.map(
-        lambda q: unscale(unscale(q, loss_scale), loss_scale), raw.probes
-    )
     finite = tree_finite((raw.sums.loss, raw.sums.weight, grads))
-    return raw._replace(grads=grads, probes=probes, finite=finite)
+    return raw._replace(grads=grads, finite=finite)
 
 
 def _like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
@@ -252,6 +255,7 @@ def _normalize(raw: _Raw, prepared: Prepared, options: AccumOptions):
 
 
 def _unpack(params: Any) -> tuple:
+    """``params`` as ``(embed, stages, head)``, checked: a sequence of 3."""
     if not (isinstance(params, tuple | list) and len(params) == 3):
         got = type(params).__name__
         if isinstance(params, tuple | list):
@@ -262,6 +266,16 @@ def _unpack(params: Any) -> tuple:
             "(or ()) for a part with no parameters."
         )
     return tuple(params)
+
+
+def _like_container(grads: tuple, params: Any) -> Any:
+    """``grads`` in ``params``' own sequence type (a list, a NamedTuple):
+    the gradients have the parameters' structure, for ``optax``."""
+    if type(params) is tuple:
+        return grads
+    if isinstance(params, tuple):  # a NamedTuple
+        return type(params)(*grads)
+    return type(params)(grads)
 
 
 def _refuse_fp8_metadata(params: tuple) -> None:
@@ -311,8 +325,13 @@ def make_pipeline(
                 f"{sorted(kwargs)}: it takes step(params, batch, key=None) "
                 "(and loss_scale= where built with loss_scale=True)."
             )
-        params = _unpack(params)
+        given, params = params, _unpack(params)
         _refuse_fp8_metadata(params)
+        check_differentiable(
+            "params",
+            params,
+            "or pass it in the batch (the step differentiates every leaf of params).",
+        )
         if key is not None and not any(map(takes_key, functions)):
             raise TypeError(
                 "The step was given a key, but none of stage_fn, loss_fn and "
@@ -320,13 +339,14 @@ def make_pipeline(
                 "Give the functions that draw random numbers a `key` parameter "
                 "(e.g. stage_fn(params, x, key)), or call the step without one."
             )
+        check_callable_mesh(mesh)
         call = with_microbatch_count(options, batch, resolve_mesh(mesh, options))
         prepared = prepare(functions, call, mesh, (params, batch, key))
         raw = jax.jit(functools.partial(_differentiate, prepared, call, bubble_fill))(
             params, batch, key, None if scale is None else scale.loss_scale
         )
         value, aux, grads = _normalize(raw, prepared, call)
-        grads = _like_params(grads, params, prepared)
+        grads = _like_container(_like_params(grads, params, prepared), given)
         result = ((value, aux), grads) if call.has_aux else (value, grads)
         report = _report(raw, prepared, call)
         if scale is not None:

@@ -66,6 +66,11 @@ class ExamplesSeen(NamedTuple):
     total: jax.Array
     error: jax.Array
 
+    def __float__(self) -> float:
+        """``float(examples_seen)``: the total, as 0.1's states held it (a
+        float32 scalar), for a concrete count."""
+        return float(self.total)
+
     @classmethod
     def zero(cls) -> "ExamplesSeen":
         """No examples seen."""
