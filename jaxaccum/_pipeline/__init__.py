@@ -23,8 +23,9 @@ The package, one concept per module: ``_schedule`` (the ticks: which
 micro-batch and stage each device runs when), ``_calls`` (the user's
 functions as the loop calls them: dtypes, keys, remat, gated gradients),
 ``_loop`` (one device's window: embed, the ticks, the losses), ``_layout``
-(the mesh, the stacked stages, FSDP, the call's checks), ``_stats`` (the
-window's statistics from the probes), ``_step`` (the front end:
+(the mesh, the stacked stages, FSDP, the call's checks, gradients laid out
+like the parameters), ``_stats`` (the probes and the window's reports read
+off them), ``_step`` (the front end:
 differentiation, the loss scale, normalisation) and ``_plan`` (the window's
 ``M`` and ``remat`` for a memory budget).
 """

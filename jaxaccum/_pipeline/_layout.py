@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxaccum import _metadata, _split
@@ -290,4 +291,69 @@ def layout_specs(prepared: Prepared, options: AccumOptions) -> tuple:
         jax.tree.map(lambda p, d: spec((), p.ndim, d), embed, embed_dims),
         jax.tree.map(lambda p, d: spec(lead, p.ndim + 2, d), stages, stage_dims),
         jax.tree.map(lambda p, d: spec((), p.ndim, d), head, head_dims),
+    )
+
+
+def unpack_params(params: Any) -> tuple:
+    """``params`` as ``(embed, stages, head)``, checked: a sequence of 3."""
+    if not (isinstance(params, tuple | list) and len(params) == 3):
+        got = type(params).__name__
+        if isinstance(params, tuple | list):
+            got += f" of length {len(params)}"
+        raise TypeError(
+            "The pipelined step takes params = (embed_params, stage_params, "
+            f"head_params), a sequence of 3 pytrees; got a {got}. Pass None "
+            "(or ()) for a part with no parameters."
+        )
+    return tuple(params)
+
+
+def like_container(grads: tuple, params: Any) -> Any:
+    """``grads`` in ``params``' own sequence type (a list, a NamedTuple):
+    the gradients have the parameters' structure, for ``optax``."""
+    if type(params) is tuple:
+        return grads
+    if isinstance(params, tuple):  # a NamedTuple
+        return type(params)(*grads)
+    return type(params)(grads)
+
+
+def refuse_fp8_metadata(params: tuple) -> None:
+    """FP8 metadata is refused: autodiff through the loop sums every leaf's
+    cotangents over the ticks, where the window maxes the metadata."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if _metadata.is_metadata(path, leaf):
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is FP8 metadata (Flax's "
+                f"{_metadata.OVERWRITE_WITH_GRADIENT} collection): the pipeline "
+                "would sum its new values over the ticks like a gradient, where "
+                "the window's amax history is the max over its micro-batches. "
+                "Pipeline FP8-free stages, or accumulate FP8 models with "
+                "jaxaccum.value_and_grad or shard_value_and_grad."
+            )
+
+
+def like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
+    """Gradients in the parameters' dtypes, shapes (the stages back from
+    their ``(R, S, ...)`` layout) and, on an Explicit mesh, shardings: a
+    parameter's own, else the pipeline's (stages over the stage axis)."""
+    mesh = prepared.mesh
+    stage_spec = PartitionSpec(prepared.stage_axis)
+
+    def like(grad: jax.Array, param: Any, spec: PartitionSpec) -> jax.Array:
+        grad = grad.astype(jnp.result_type(param))
+        if not explicit(mesh):  # the parameters' shardings are not visible
+            grad = jnp.reshape(grad, jnp.shape(param))
+            return lax.with_sharding_constraint(grad, NamedSharding(mesh, spec))
+        own = _split.explicit_sharding(jax.typeof(param))
+        sharding = own or NamedSharding(mesh, spec)
+        if grad.shape != jnp.shape(param):
+            grad = jnp.reshape(grad, jnp.shape(param), out_sharding=sharding)
+        return jax.sharding.reshard(grad, sharding)
+
+    embed, stages, head = grads
+    return (
+        jax.tree.map(lambda g, p: like(g, p, PartitionSpec()), embed, params[0]),
+        jax.tree.map(lambda g, p: like(g, p, stage_spec), stages, params[1]),
+        jax.tree.map(lambda g, p: like(g, p, PartitionSpec()), head, params[2]),
     )

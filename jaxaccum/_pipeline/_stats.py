@@ -1,11 +1,13 @@
-"""The pipeline's :class:`jaxaccum.WindowStats`: each micro-batch's squared
+"""The pipeline's reports: the probes (inputs whose cotangents are each
+piece's squared gradient norm), and the :class:`jaxaccum.WindowStats` and
+:class:`jaxaccum.FiniteReport` read off them: each micro-batch's squared
 gradient norm, whole although the pipeline computes it in pieces (its
-embedding's, each stage's at its tick, its head's), read off the probes'
-cotangents."""
+embedding's, each stage's at its tick, its head's)."""
 
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -13,7 +15,9 @@ from jax.sharding import PartitionSpec
 from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._layout import Prepared, place
+from jaxaccum._pipeline._loop import Probes
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._window import FiniteReport
 
 
 def tick_microbatches(schedule: Schedule) -> np.ndarray:
@@ -58,3 +62,47 @@ def pipeline_stats(raw: Any, prepared: Prepared, options: AccumOptions) -> Windo
         small_batch=jnp.sum(by_shard(stats.small_batch), 0),
         microbatch_finite=jnp.all(by_shard(stats.microbatch_finite), 0),
     )
+
+
+def probed(options: AccumOptions) -> bool:
+    """Whether the window probes each micro-batch's gradient (its squared
+    norm, and so whether it is finite)."""
+    return options.report_stats or options.report_finite
+
+
+def make_probes(
+    prepared: Prepared, options: AccumOptions, loss_scale: jax.Array | None
+) -> tuple[Probes | None, PartitionSpec | None]:
+    """With ``report_stats`` or ``report_finite``, the :class:`Probes` and
+    their spec. Their values are what each piece's gradient is divided by
+    before it is squared: the loss scale, or 1."""
+    if not probed(options):
+        return None, None
+    schedule = prepared.schedule
+    devices = (schedule.num_stages, prepared.shards)
+    divisor = jnp.float32(1) if loss_scale is None else loss_scale
+    divisor = jnp.asarray(divisor, jnp.float32)
+    per_micro = jnp.full((*devices, schedule.num_microbatches), divisor)
+    per_tick = jnp.full((*devices, schedule.num_ticks), divisor)
+    spec = PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
+    return place(Probes(per_micro, per_tick, per_micro), prepared.mesh, spec), spec
+
+
+def unshared(probes: Probes | None, share: jax.Array) -> Probes | None:
+    """The probes' squared norms of the loss's own gradient: divided by the
+    share twice (not by its square, which underflows sooner)."""
+    positive = share > 0
+    safe = jnp.where(positive, share, 1)
+    return jax.tree.map(lambda q: jnp.where(positive, q / safe / safe, 0), probes)
+
+
+def window_report(raw: Any, prepared: Prepared, options: AccumOptions) -> Any:
+    """The window's :class:`WindowStats` (``report_stats``), its
+    :class:`FiniteReport` (``report_finite``: a micro-batch's loss and
+    gradient finite), else ``()``."""
+    if not probed(options):
+        return ()
+    stats = pipeline_stats(raw, prepared, options)
+    if options.report_finite:
+        return FiniteReport(stats.microbatch_finite, stats.finite)
+    return stats

@@ -8,10 +8,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from jaxaccum import _metadata, _split
 from jaxaccum._loss_scale import (
     loss_scale_report,
     pop_loss_scale,
@@ -29,21 +27,23 @@ from jaxaccum._pipeline._calls import LossOut, takes_key
 from jaxaccum._pipeline._layout import (
     Prepared,
     check_callable_mesh,
-    explicit,
     layout_specs,
+    like_container,
+    like_params,
     place,
     prepare,
+    refuse_fp8_metadata,
     reshape,
     resolve_mesh,
+    unpack_params,
     with_microbatch_count,
 )
 from jaxaccum._pipeline._loop import Probes, on_device
 from jaxaccum._pipeline._schedule import schedule_on
-from jaxaccum._pipeline._stats import pipeline_stats
+from jaxaccum._pipeline._stats import make_probes, probed, unshared, window_report
 from jaxaccum._value_and_grad import check_differentiable
 from jaxaccum._window import (
     AuxPlan,
-    FiniteReport,
     accum_dtype_for,
     microbatch_share,
     normalized_value,
@@ -89,30 +89,6 @@ def _window_share(
     return microbatch_share(options, pieces, weight, dtype)
 
 
-def _probed(options: AccumOptions) -> bool:
-    """Whether the window probes each micro-batch's gradient (its squared
-    norm, and so whether it is finite)."""
-    return options.report_stats or options.report_finite
-
-
-def _probes(
-    prepared: Prepared, options: AccumOptions, loss_scale: jax.Array | None
-) -> tuple[Probes | None, PartitionSpec | None]:
-    """With ``report_stats`` or ``report_finite``, the :class:`Probes` and
-    their spec. Their values are what each piece's gradient is divided by
-    before it is squared: the loss scale, or 1."""
-    if not _probed(options):
-        return None, None
-    schedule = prepared.schedule
-    devices = (schedule.num_stages, prepared.shards)
-    divisor = jnp.float32(1) if loss_scale is None else loss_scale
-    divisor = jnp.asarray(divisor, jnp.float32)
-    per_micro = jnp.full((*devices, schedule.num_microbatches), divisor)
-    per_tick = jnp.full((*devices, schedule.num_ticks), divisor)
-    spec = PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
-    return place(Probes(per_micro, per_tick, per_micro), prepared.mesh, spec), spec
-
-
 def _differentiate(
     prepared: Prepared,
     options: AccumOptions,
@@ -148,7 +124,7 @@ def _differentiate(
     )
     batch = place(batch, mesh, PartitionSpec(options.layout.data_axis))
     key = place(key, mesh, PartitionSpec())
-    probes, probe_spec = _probes(prepared, options, loss_scale)
+    probes, probe_spec = make_probes(prepared, options, loss_scale)
     window = functools.partial(
         on_device,
         prepared.calls,
@@ -187,21 +163,13 @@ def _differentiate(
         total = total if loss_scale is None else scale_loss(total, loss_scale)
         return total, (sums, per_micro, share)
 
-    argnums = (0, 1) if _probed(options) else 0
+    argnums = (0, 1) if probed(options) else 0
     (_, (sums, per_micro, share)), grads = jax.value_and_grad(
         differentiated, argnums, has_aux=True
     )((embed, stages, head), probes)
-    grads, probe_grads = grads if _probed(options) else (grads, None)
-    raw = _Raw(sums, per_micro, grads, _unshared(probe_grads, share), share)
+    grads, probe_grads = grads if probed(options) else (grads, None)
+    raw = _Raw(sums, per_micro, grads, unshared(probe_grads, share), share)
     return raw if loss_scale is None else _unscaled(raw, loss_scale)
-
-
-def _unshared(probes: Probes | None, share: jax.Array) -> Probes | None:
-    """The probes' squared norms of the loss's own gradient: divided by the
-    share twice (not by its square, which underflows sooner)."""
-    positive = share > 0
-    safe = jnp.where(positive, share, 1)
-    return jax.tree.map(lambda q: jnp.where(positive, q / safe / safe, 0), probes)
 
 
 def _unscaled(raw: _Raw, loss_scale: jax.Array) -> _Raw:
@@ -211,32 +179,6 @@ def _unscaled(raw: _Raw, loss_scale: jax.Array) -> _Raw:
     grads = jax.tree.map(lambda g: unscale(g, loss_scale).astype(g.dtype), raw.grads)
     finite = tree_finite((raw.sums.loss, raw.sums.weight, grads))
     return raw._replace(grads=grads, finite=finite)
-
-
-def _like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
-    """Gradients in the parameters' dtypes, shapes (the stages back from
-    their ``(R, S, ...)`` layout) and, on an Explicit mesh, shardings: a
-    parameter's own, else the pipeline's (stages over the stage axis)."""
-    mesh = prepared.mesh
-    stage_spec = PartitionSpec(prepared.stage_axis)
-
-    def like(grad: jax.Array, param: Any, spec: PartitionSpec) -> jax.Array:
-        grad = grad.astype(jnp.result_type(param))
-        if not explicit(mesh):  # the parameters' shardings are not visible
-            grad = jnp.reshape(grad, jnp.shape(param))
-            return lax.with_sharding_constraint(grad, NamedSharding(mesh, spec))
-        own = _split.explicit_sharding(jax.typeof(param))
-        sharding = own or NamedSharding(mesh, spec)
-        if grad.shape != jnp.shape(param):
-            grad = jnp.reshape(grad, jnp.shape(param), out_sharding=sharding)
-        return jax.sharding.reshard(grad, sharding)
-
-    embed, stages, head = grads
-    return (
-        jax.tree.map(lambda g, p: like(g, p, PartitionSpec()), embed, params[0]),
-        jax.tree.map(lambda g, p: like(g, p, stage_spec), stages, params[1]),
-        jax.tree.map(lambda g, p: like(g, p, PartitionSpec()), head, params[2]),
-    )
 
 
 def _normalize(raw: _Raw, prepared: Prepared, options: AccumOptions):
@@ -252,57 +194,6 @@ def _normalize(raw: _Raw, prepared: Prepared, options: AccumOptions):
         raw.sums.aux, [], num_means, 0
     )
     return value.astype(own.loss.dtype), aux, raw.grads
-
-
-def _unpack(params: Any) -> tuple:
-    """``params`` as ``(embed, stages, head)``, checked: a sequence of 3."""
-    if not (isinstance(params, tuple | list) and len(params) == 3):
-        got = type(params).__name__
-        if isinstance(params, tuple | list):
-            got += f" of length {len(params)}"
-        raise TypeError(
-            "The pipelined step takes params = (embed_params, stage_params, "
-            f"head_params), a sequence of 3 pytrees; got a {got}. Pass None "
-            "(or ()) for a part with no parameters."
-        )
-    return tuple(params)
-
-
-def _like_container(grads: tuple, params: Any) -> Any:
-    """``grads`` in ``params``' own sequence type (a list, a NamedTuple):
-    the gradients have the parameters' structure, for ``optax``."""
-    if type(params) is tuple:
-        return grads
-    if isinstance(params, tuple):  # a NamedTuple
-        return type(params)(*grads)
-    return type(params)(grads)
-
-
-def _refuse_fp8_metadata(params: tuple) -> None:
-    """FP8 metadata is refused: autodiff through the loop sums every leaf's
-    cotangents over the ticks, where the window maxes the metadata."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        if _metadata.is_metadata(path, leaf):
-            raise ValueError(
-                f"params{jax.tree_util.keystr(path)} is FP8 metadata (Flax's "
-                f"{_metadata.OVERWRITE_WITH_GRADIENT} collection): the pipeline "
-                "would sum its new values over the ticks like a gradient, where "
-                "the window's amax history is the max over its micro-batches. "
-                "Pipeline FP8-free stages, or accumulate FP8 models with "
-                "jaxaccum.value_and_grad or shard_value_and_grad."
-            )
-
-
-def _report(raw: _Raw, prepared: Prepared, options: AccumOptions) -> Any:
-    """The window's :class:`WindowStats` (``report_stats``), its
-    :class:`FiniteReport` (``report_finite``: a micro-batch's loss and
-    gradient finite), else ``()``."""
-    if not _probed(options):
-        return ()
-    stats = pipeline_stats(raw, prepared, options)
-    if options.report_finite:
-        return FiniteReport(stats.microbatch_finite, stats.finite)
-    return stats
 
 
 def make_pipeline(
@@ -325,8 +216,8 @@ def make_pipeline(
                 f"{sorted(kwargs)}: it takes step(params, batch, key=None) "
                 "(and loss_scale= where built with loss_scale=True)."
             )
-        given, params = params, _unpack(params)
-        _refuse_fp8_metadata(params)
+        given, params = params, unpack_params(params)
+        refuse_fp8_metadata(params)
         check_differentiable(
             "params",
             params,
@@ -346,13 +237,13 @@ def make_pipeline(
             params, batch, key, None if scale is None else scale.loss_scale
         )
         value, aux, grads = _normalize(raw, prepared, call)
-        grads = _like_container(_like_params(grads, params, prepared), given)
+        grads = like_container(like_params(grads, params, prepared), given)
         result = ((value, aux), grads) if call.has_aux else (value, grads)
-        report = _report(raw, prepared, call)
+        report = window_report(raw, prepared, call)
         if scale is not None:
             assert raw.finite is not None
             return result, loss_scale_report(raw.finite, scale, None, report)
-        return (result, report) if _probed(call) else result
+        return (result, report) if probed(call) else result
 
     return step
 
