@@ -600,7 +600,8 @@ def test_an_aux_prefix_of_mean_and_sum_as_in_the_core():
 
 
 def planned(**options):
-    params, micro = make_params(2), make_batch(64)
+    repeats = options.get("repeats", 2)
+    params, micro = make_params(repeats), make_batch(64)
     defaults = {"mesh": MESH, "embed_fn": embed, "repeats": 2, "memory_budget": "1GiB"}
     return jaxaccum.plan_pipeline(dense, mse, params, micro, **{**defaults, **options})
 
@@ -884,3 +885,51 @@ def test_pipeline_options_drawn_against_the_sequential_model(
         assert bool(jnp.all(jnp.isfinite(report_out.microbatch_grad_sq_norm)))
     if report == "report_finite":
         assert bool(report_out.finite)
+
+
+@functools.cache
+def exhaustive_footprints(repeats: int) -> dict:
+    """Every (remat, M)'s footprint and efficiency, each compiled alone."""
+    table = {}
+    for remat in (False, True):
+        for num in (2, 4, 8):
+            one = planned(
+                candidates=[num], remat=remat, repeats=repeats, memory_budget=2**40
+            )
+            table[remat, num] = (one.footprint_bytes, one.efficiency)
+    return table
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+@given(
+    repeats=st.sampled_from([1, 2]),
+    remat=st.sampled_from(["choose", False, True]),
+    candidates=st.sampled_from([(2, 4, 8), (4, 8), (2, 8)]),
+    budget_at=st.integers(0, 5),
+)
+def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
+    repeats, remat, candidates, budget_at
+):
+    """For drawn repeats, remat (chosen, or given), candidates and budgets
+    (each a compiled footprint), the plan is the most efficient fitting
+    configuration of the exhaustive table, with that footprint."""
+    table = exhaustive_footprints(repeats)
+    budget = sorted(f for f, _ in table.values())[budget_at]
+    remats = (False, True) if remat == "choose" else (remat,)
+    fitting = {
+        key: value
+        for key, value in table.items()
+        if key[0] in remats and key[1] in candidates and value[0] <= budget
+    }
+    options = {} if remat == "choose" else {"remat": remat}
+    run = functools.partial(
+        planned, candidates=candidates, repeats=repeats, memory_budget=budget
+    )
+    if not fitting:
+        with pytest.raises(ValueError, match="No window fits"):
+            run(**options)
+        return
+    plan = run(**options)
+    assert plan.efficiency == max(e for _, e in fitting.values()), (plan, fitting)
+    key = (plan.remat, plan.num_microbatches)
+    assert key in fitting and plan.footprint_bytes == fitting[key][0]

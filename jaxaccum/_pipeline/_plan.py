@@ -12,7 +12,6 @@ configuration whose stage work is most useful (:func:`efficiency`).
 """
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -215,37 +214,21 @@ def plan_pipeline(
     functions = (stage_fn, loss_fn, embed_fn)
     first = dataclasses.replace(base, num_microbatches=candidates[0])
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
-    rows: dict[tuple[int, int], PipelinePlanRow] = {}
 
-    def fits(index: int, choice: int) -> bool:
-        remat, num = remats[choice], candidates[index]
+    def efficiency_of(num: int, remat: Any) -> float:
+        return efficiency(Schedule(num_stages, num, repeats), remat, recompute)
+
+    def measure(num: int, remat: Any) -> PipelinePlanRow:
         call = dataclasses.replace(base, num_microbatches=num, remat=remat)
         row = _measure(functions, call, mesh, (params, microbatch, key))
-        schedule = Schedule(num_stages, num, repeats)
-        rows[choice, index] = dataclasses.replace(
+        return dataclasses.replace(
             row,
-            bubble=schedule.bubble_fraction,
-            efficiency=efficiency(schedule, remat, recompute),
+            bubble=Schedule(num_stages, num, repeats).bubble_fraction,
+            efficiency=efficiency_of(num, remat),
             fits=row.total_bytes <= budget,
         )
-        return rows[choice, index].fits
 
-    # remat=False first: a later remat is compiled only at the M whose
-    # efficiency could beat the best found (it is known before compiling).
-    chosen: PipelinePlanRow | None = None
-    for choice, remat in enumerate(remats):
-        floor = -1.0 if chosen is None else chosen.efficiency
-        better = [
-            i
-            for i, num in enumerate(candidates)
-            if efficiency(Schedule(num_stages, num, repeats), remat, recompute) > floor
-        ]
-        found = _largest_fitting(
-            len(better), functools.partial(_fits_at, fits, better, choice)
-        )
-        if found is not None:
-            chosen = rows[choice, better[found]]
-    ordered = tuple(rows[at] for at in sorted(rows))
+    chosen, ordered = _search(measure, efficiency_of, candidates, remats)
     if chosen is None:
         smallest = min(ordered, key=lambda row: row.total_bytes)
         raise ValueError(
@@ -271,8 +254,34 @@ def plan_pipeline(
     )
 
 
-def _fits_at(fits: Callable[[int, int], bool], indices: list, choice: int, at: int):
-    return fits(indices[at], choice)
+def _search(
+    measure: Callable[[int, Any], PipelinePlanRow],
+    efficiency_of: Callable[[int, Any], float],
+    candidates: list[int],
+    remats: tuple,
+) -> tuple[PipelinePlanRow | None, tuple[PipelinePlanRow, ...]]:
+    """The most efficient configuration that fits (None if none) and every
+    row compiled, by ``remat`` then ``M``. Memory grows with ``M``, so per
+    ``remat`` the largest fitting ``M`` is bisected for; ``remat=False``
+    first, and a later ``remat`` is compiled only at the ``M`` whose
+    efficiency (known before compiling) could beat the best found."""
+    rows: dict[tuple[int, int], PipelinePlanRow] = {}
+    chosen: PipelinePlanRow | None = None
+    for choice, remat in enumerate(remats):
+        floor = -1.0 if chosen is None else chosen.efficiency
+        better = [
+            i for i, m in enumerate(candidates) if efficiency_of(m, remat) > floor
+        ]
+
+        def fits(at: int, better: list = better, choice: int = choice) -> bool:
+            index = better[at]
+            rows[choice, index] = measure(candidates[index], remats[choice])
+            return rows[choice, index].fits
+
+        found = _largest_fitting(len(better), fits)
+        if found is not None:
+            chosen = rows[choice, better[found]]
+    return chosen, tuple(rows[at] for at in sorted(rows))
 
 
 def _largest_fitting(count: int, fits: Callable[[int], bool]) -> int | None:
