@@ -40,6 +40,18 @@ def squared_norm(tree: Any) -> jax.Array:
     return optax.tree.norm(jax.tree.map(in_stats_precision, tree), squared=True)
 
 
+def unscaled_squared_norm(tree: Any, scale: Any) -> jax.Array:
+    """The float32 squared norm of ``tree / scale`` (0 where ``scale`` is 0):
+    a scaled gradient's own, the scale divided out of each leaf before
+    squaring (a squared scale of 2**64 overflows float32, and a squared
+    share of a large window underflows)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    positive = scale > 0
+    safe = jnp.where(positive, scale, 1)
+    leaves = jax.tree.map(lambda leaf: in_stats_precision(leaf) / safe, tree)
+    return jnp.where(positive, squared_norm(leaves), 0)
+
+
 class WindowStats(NamedTuple):
     r"""What one window's gradients say about the batch size.
 

@@ -15,7 +15,7 @@ from jax import lax
 from jaxaccum import _metadata
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._loss_scale import tree_finite, unscale
-from jaxaccum._noise_scale import MicroStats, in_stats_precision, squared_norm
+from jaxaccum._noise_scale import MicroStats, squared_norm, unscaled_squared_norm
 from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._split import Split, explicit_sharding
@@ -428,20 +428,12 @@ class Window:
             weight = jnp.sum(example_mask, dtype=jnp.float32)
         else:
             weight = jnp.float32(self.split.microbatch_size)
-        # Of the loss's own gradient: the share and the loss scale divided out
-        # of each leaf before squaring (a squared scale of 2**64 overflows
-        # float32, and a squared share of a large window underflows).
+        # Of the loss's own gradient: the share and the loss scale divided out.
         scale = jnp.asarray(result.share, jnp.float32)
         if self.loss_scale is not None:
             scale = scale * self.loss_scale
-        positive = scale > 0
-        safe = jnp.where(positive, scale, 1)
-        leaves = [
-            in_stats_precision(g) / safe
-            for g in _metadata.gradient_leaves(result.grads)
-        ]
-        sq_norm = jnp.where(positive, squared_norm(leaves), 0)
-        return MicroStats(finite, sq_norm, weight)
+        leaves = _metadata.gradient_leaves(result.grads)
+        return MicroStats(finite, unscaled_squared_norm(leaves, scale), weight)
 
     def _sum_sq_norm(self, grad_sums: Any) -> jax.Array | None:
         """For ``report_stats``, the float32 squared norm of the window's

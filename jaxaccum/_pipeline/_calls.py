@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum._noise_scale import in_stats_precision, squared_norm
+from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._options import AccumOptions
 from jaxaccum._window import (
     AuxPlan,
@@ -143,13 +143,6 @@ def _stage_policy(remat: Any) -> Callable[..., bool]:
     return policy
 
 
-def probed_norm(grad: Any, divisor: jax.Array) -> jax.Array:
-    """The float32 squared norm of ``grad / divisor``: a probe's value (the
-    loss scale, or 1) divided out of each leaf before squaring (squared, a
-    scale of 2**64 overflows float32)."""
-    return squared_norm(jax.tree.map(lambda g: in_stats_precision(g) / divisor, grad))
-
-
 def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., Any]:
     """``stage(own, repeat, x, key)`` as ``gated(accum, own, repeat, valid,
     probe, x, key)``, whose backward pass selects its cotangents away unless
@@ -159,7 +152,7 @@ def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., A
     ``own`` is ``accum`` in the parameters' own dtype, cast once before the
     loop: no forward operation touches the parameters per tick. With a
     ``probe``, its cotangent is the squared norm of the (gated) gradient
-    over the probe's value (:func:`probed_norm`)."""
+    over the probe's value (the loss scale, or 1)."""
 
     @jax.custom_vjp
     def gated(accum, own, repeat, valid, probe, x, key):
@@ -181,7 +174,9 @@ def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., A
             own_grad,
         )
         probe_grad = (
-            None if probe is None else jnp.zeros_like(probe) + probed_norm(grad, probe)
+            None
+            if probe is None
+            else jnp.zeros_like(probe) + unscaled_squared_norm(grad, probe)
         )
         # Integer and bool leaves of x (labels, masks carried through the
         # stages) have float0 cotangents: nothing to select.

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import _split
+from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._options import AccumOptions
-from jaxaccum._pipeline._calls import Calls, LossOut, probed_norm
+from jaxaccum._pipeline._calls import Calls, LossOut
 from jaxaccum._pipeline._schedule import Schedule
 
 
@@ -50,7 +51,7 @@ def _probe_fwd(tree: Any, probe: jax.Array) -> tuple[Any, jax.Array]:
 
 
 def _probe_bwd(probe: jax.Array, cotangent: Any) -> tuple[Any, jax.Array]:
-    return cotangent, jnp.zeros_like(probe) + probed_norm(cotangent, probe)
+    return cotangent, jnp.zeros_like(probe) + unscaled_squared_norm(cotangent, probe)
 
 
 _probe.defvjp(_probe_fwd, _probe_bwd)
