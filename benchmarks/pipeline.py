@@ -20,13 +20,26 @@ shared CPU cores is not evidence, the compiled program is exact):
   bytes one window moves per device (outside once, the loop's once per tick);
 * memory per device (``memory_analysis``): arguments (1/S of the stage
   parameters), temporaries without and with ``remat``, in units of one
-  micro-batch's activation.
+  micro-batch's activation;
+* the same for ``schedule="1f1b"``: its FLOPs (counted statically: a
+  bubble slot's ``lax.cond`` at its larger branch, so against ``(M + 2 (S -
+  1)) / M``), its loop's collectives and its temporaries.
+
+From those rows, the trade: at each activation budget (GPipe with remat's
+temporaries at M = S, 2S, 4S), the largest M of the sweep each schedule fits
+and the bubble ``(S - 1) / (M + S - 1)`` it reaches there.
+
+And one timing, the only one here (a design choice, not a claim about a
+device): 1F1B's bubble slots skipped (``lax.cond``, the default) against
+computed on masked inputs and selected away, beside GPipe, at S = 4 x data =
+2, interleaved rounds, min / median / max milliseconds per window.
 
 Run: ``python benchmarks/pipeline.py``; writes ``benchmarks/results/pipeline.json``
 and prints a table.
 """
 
 import os
+import time
 
 # Before JAX starts its CPU backend (on first use, not at import).
 os.environ["XLA_FLAGS"] = (
@@ -36,18 +49,21 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import write_json  # noqa: E402
+from common import spread, write_json  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
 import jaxaccum.testing  # noqa: E402
+from jaxaccum._options import AccumOptions, PipelineLayout  # noqa: E402
+from jaxaccum._pipeline._step import make_pipeline  # noqa: E402
 
 NUM_DEVICES = 8
 STAGES = (2, 4, 8)
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = factor * S
 WIDTH, INPUTS, LAYERS_PER_STAGE, ROWS = 256, 4, 2, 64
 NESTED_STEPS = 2
+TIMED_STAGES, TIMED_MICROBATCHES, ROUNDS, CALLS_PER_ROUND = 4, (4, 16), 9, 5
 
 
 def embed_fn(params, micro_batch):
@@ -167,7 +183,108 @@ def measure(num_stages: int, num: int) -> dict:
         "temp_activations": memory.temp_size_in_bytes / activation,
         "temp_activations_remat": remat_memory.temp_size_in_bytes / activation,
     }
+    row["one_f_one_b"] = one_f_one_b(mesh, num, params, batch, sequential_flops)
     return row
+
+
+def one_f_one_b(mesh, num, params, batch, sequential_flops) -> dict:
+    """``schedule="1f1b"`` at one (S, M): FLOPs, loop collectives, memory."""
+    num_stages = mesh.shape["stage"]
+    unrolled = compile_step(mesh, num, params, batch, unroll=True, schedule="1f1b")
+    rolled = compile_step(mesh, num, params, batch, schedule="1f1b")
+    remat = compile_step(mesh, num, params, batch, remat=True, schedule="1f1b")
+    ticks = num + 2 * (num_stages - 1)
+    activation = ROWS * WIDTH * 4
+    return {
+        "ticks": ticks,
+        "ring_slots": min(2 * num_stages - 1, num),
+        "flops_ratio": flops(unrolled) / sequential_flops,
+        "formula_static": ticks / num,
+        "collectives": collectives(rolled),
+        "temp_activations": rolled.memory_analysis().temp_size_in_bytes / activation,
+        "temp_activations_remat": (
+            remat.memory_analysis().temp_size_in_bytes / activation
+        ),
+    }
+
+
+SCHEDULES = {  # name: (where in a row its temporaries are, remat key)
+    "gpipe": ("memory", "temp_activations"),
+    "gpipe_remat": ("memory", "temp_activations_remat"),
+    "1f1b": ("one_f_one_b", "temp_activations"),
+    "1f1b_remat": ("one_f_one_b", "temp_activations_remat"),
+}
+
+
+def trade(rows: list[dict]) -> dict:
+    """Per S and activation budget (GPipe with remat's temporaries at M = S,
+    2S, 4S): per schedule the largest M of the sweep whose temporaries fit,
+    and its bubble; None where none fits."""
+    result = {}
+    for num_stages in STAGES:
+        own = [r for r in rows if r["stages"] == num_stages]
+        for budget_row in own[:-1]:
+            budget = budget_row["memory"]["temp_activations_remat"]
+            entry = {"budget_activations": budget}
+            for name, (part, key) in SCHEDULES.items():
+                fits = [r["num_microbatches"] for r in own if r[part][key] <= budget]
+                largest = max(fits, default=None)
+                entry[name] = {
+                    "num_microbatches": largest,
+                    "bubble": None
+                    if largest is None
+                    else (num_stages - 1) / (largest + num_stages - 1),
+                    "largest_of_sweep": largest == own[-1]["num_microbatches"],
+                }
+            name = f"S{num_stages}_budget_M{budget_row['num_microbatches']}"
+            result[name] = entry
+    return result
+
+
+def timed_step(num: int, schedule: str, skip: bool = True):
+    """The S = 4 x data = 2 step, jitted and placed, with its arguments."""
+    num_stages = TIMED_STAGES
+    shards = NUM_DEVICES // num_stages
+    mesh = jax.make_mesh((num_stages, shards), ("stage", "data"))
+    params, batch = model(num_stages, ROWS * num * shards)
+    layout = PipelineLayout(data_axis="data", schedule=schedule)
+    options = AccumOptions(num, pipeline=layout)
+    step = make_pipeline((stage_fn, loss_fn, embed_fn), options, mesh, 0.0, skip)
+    args = placed(mesh, params, batch)
+    compiled = jax.jit(step).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    return compiled, args
+
+
+def bubble_timing() -> dict:
+    """Milliseconds per window, interleaved rounds: 1F1B with its bubble
+    slots skipped and computed, and GPipe, per M."""
+    result = {}
+    for num in TIMED_MICROBATCHES:
+        configs = {
+            "gpipe": timed_step(num, "gpipe"),
+            "1f1b_skipped": timed_step(num, "1f1b", skip=True),
+            "1f1b_masked": timed_step(num, "1f1b", skip=False),
+        }
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(ROUNDS):
+            for name, (compiled, args) in configs.items():
+                start = time.perf_counter()
+                for _ in range(CALLS_PER_ROUND):
+                    out = compiled(*args)
+                jax.block_until_ready(out)
+                elapsed = (time.perf_counter() - start) / CALLS_PER_ROUND
+                times[name].append(1e3 * elapsed)
+        entry = {f"{name}_ms": spread(t) for name, t in times.items()}
+        masked, skipped = times["1f1b_masked"], times["1f1b_skipped"]
+        entry["skipped_over_masked"] = spread(
+            [s / m for s, m in zip(skipped, masked, strict=True)]
+        )
+        entry["1f1b_skipped_over_gpipe"] = spread(
+            [s / g for s, g in zip(skipped, times["gpipe"], strict=True)]
+        )
+        result[f"M{num}"] = entry
+    return result
 
 
 def by_name(rows: list[dict]) -> dict:
@@ -198,10 +315,34 @@ def print_rows(rows: list[dict]) -> None:
         )
 
 
+def print_trade(trade: dict, timing: dict) -> None:
+    print(f"{'budget':>16} {'act':>6} " + " ".join(f"{n:>16}" for n in SCHEDULES))
+    for name, entry in trade.items():
+        cells = [
+            "-"
+            if entry[n]["num_microbatches"] is None
+            else f"M={entry[n]['num_microbatches']} b={entry[n]['bubble']:.3f}"
+            for n in SCHEDULES
+        ]
+        print(
+            f"{name:>16} {entry['budget_activations']:>6.1f} "
+            + " ".join(f"{c:>16}" for c in cells)
+        )
+    for name, entry in timing.items():
+        print(
+            name,
+            ", ".join(
+                f"{k}: {v['min']:.3f} / {v['median']:.3f} / {v['max']:.3f}"
+                for k, v in entry.items()
+            ),
+        )
+
+
 def main() -> None:
     assert jax.device_count() == NUM_DEVICES, (
         f"{jax.device_count()} devices: XLA_FLAGS was applied too late"
     )
+    timing = bubble_timing()  # first, on a quiet machine
     rows = [
         measure(num_stages, factor * num_stages)
         for num_stages in STAGES
@@ -219,9 +360,18 @@ def main() -> None:
             },
             "nested_steps": NESTED_STEPS,
             "rows": by_name(rows),
+            "trade": trade(rows),
+            "bubble_timing": {
+                "stages": TIMED_STAGES,
+                "data_shards": NUM_DEVICES // TIMED_STAGES,
+                "rounds": ROUNDS,
+                "calls_per_round": CALLS_PER_ROUND,
+                **timing,
+            },
         },
     )
     print_rows(rows)
+    print_trade(trade(rows), timing)
 
 
 if __name__ == "__main__":

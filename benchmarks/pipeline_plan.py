@@ -1,8 +1,9 @@
 """The pipeline's planner against the best fixed window, on 8 CPU devices.
 
-``jaxaccum.plan_pipeline`` chooses the window ``M`` and ``remat`` for a
-memory budget, the micro-batch held fixed. The simple alternative it
-replaces is one fixed ``(M, remat)`` for every budget; the best such setting
+``jaxaccum.plan_pipeline`` chooses the window ``M``, the schedule (GPipe or
+1F1B, where ``repeats=1``) and ``remat`` for a memory budget, the
+micro-batch held fixed. The simple alternative it replaces is one fixed
+``(schedule, M, remat)`` for every budget; the best such setting
 is chosen here in hindsight, per task, as the one with the highest mean
 efficiency over the budgets (a setting that does not fit a budget scores 0
 there: it runs out of memory). Neither task, nor their budgets, was used to
@@ -14,11 +15,12 @@ Tasks: ``jaxaccum.cli.models.pipelined_mlp_task`` (residual ReLU blocks of
 per shard; and a 2-layer tanh MLP stage of 256 (``benchmarks/pipeline.py``'s
 model) on stage=8, ``repeats=2``, 128 rows per micro-batch.
 
-For every task, every ``(M, remat)`` is compiled once (its footprint per
+For every task, every ``(schedule, M, remat)`` is compiled once (its footprint per
 device, ``memory_analysis()``, and its efficiency, the share of the window's
 stage work that is useful); at each of 7 budgets spaced geometrically over
 the footprints the planner's choice is compared with the exhaustive best
-(the most efficient that fits) and with the best fixed setting. The
+(the most efficient that fits), with the best fixed setting, and with the
+exhaustive best of GPipe alone (what choosing the schedule adds). The
 efficiency's remat term is checked against the compiled FLOPs: what remat
 adds to the window's loop body (counted once) against one stage's forward.
 
@@ -26,6 +28,7 @@ Run: ``python benchmarks/pipeline_plan.py``; writes
 ``benchmarks/results/pipeline_plan.json`` and prints a table.
 """
 
+import itertools
 import os
 
 # Before JAX starts its CPU backend (on first use, not at import).
@@ -136,11 +139,17 @@ def evaluate(task) -> dict:
     first = None
     num_stages = task[1].shape["stage"]
     candidates = [num_stages * 2**k for k in range(5)]
-    for remat in (False, True):
-        for num in candidates:
-            one = plan_for(task, memory_budget=2**40, candidates=[num], remat=remat)
-            first = first or one
-            table[remat, num] = (one.footprint_bytes, one.efficiency)
+    schedules = ("gpipe",) if task[5].get("repeats", 1) > 1 else ("gpipe", "1f1b")
+    for schedule, remat, num in itertools.product(schedules, (False, True), candidates):
+        one = plan_for(
+            task,
+            memory_budget=2**40,
+            candidates=[num],
+            schedule=schedule,
+            remat=remat,
+        )
+        first = first or one
+        table[schedule, remat, num] = (one.footprint_bytes, one.efficiency)
     footprints = sorted(f for f, _ in table.values())
     budgets = np.geomspace(footprints[0], footprints[-1], NUM_BUDGETS).astype(int)
     budgets[-1] = footprints[-1]
@@ -153,17 +162,20 @@ def evaluate(task) -> dict:
     for index, budget in enumerate(budgets):
         chosen = plan_for(task, memory_budget=int(budget), candidates=candidates)
         oracle = max(e for f, e in table.values() if f <= budget)
+        gpipe = [e for k, (f, e) in table.items() if k[0] == "gpipe" and f <= budget]
         rows.append(
             {
                 "budget_bytes": int(budget),
                 "planned": {
                     "num_microbatches": chosen.num_microbatches,
+                    "schedule": chosen.schedule,
                     "remat": bool(chosen.remat),
                     "efficiency": chosen.efficiency,
                     "footprint_bytes": chosen.footprint_bytes,
                     "compiled": len(chosen.rows),
                 },
                 "exhaustive_best_efficiency": oracle,
+                "gpipe_only_efficiency": max(gpipe, default=0.0),
                 "best_fixed_efficiency": fixed_scores[best_fixed][index],
             }
         )
@@ -173,14 +185,25 @@ def evaluate(task) -> dict:
         "recompute": first.recompute,
         "remat_recompute": remat_recompute_flops(task, num_stages),
         "table": [
-            {"remat": r, "num_microbatches": m, "footprint_bytes": f, "efficiency": e}
-            for (r, m), (f, e) in sorted(table.items())
+            {
+                "schedule": kind,
+                "remat": r,
+                "num_microbatches": m,
+                "footprint_bytes": f,
+                "efficiency": e,
+            }
+            for (kind, r, m), (f, e) in sorted(table.items())
         ],
-        "best_fixed": {"remat": best_fixed[0], "num_microbatches": best_fixed[1]},
+        "best_fixed": {
+            "schedule": best_fixed[0],
+            "remat": best_fixed[1],
+            "num_microbatches": best_fixed[2],
+        },
         "rows": rows,
         "mean_efficiency": {
             "planned": float(np.mean(planned)),
             "best_fixed": float(np.mean(fixed_scores[best_fixed])),
+            "gpipe_only": float(np.mean([r["gpipe_only_efficiency"] for r in rows])),
         },
         "best_fixed_out_of_memory": int(sum(table[best_fixed][0] > b for b in budgets)),
         "planned_equals_exhaustive": all(
@@ -207,7 +230,8 @@ def main() -> None:
             planned = row["planned"]
             print(
                 f"  budget {row['budget_bytes'] / 2**20:8.2f} MiB: M="
-                f"{planned['num_microbatches']:3d} remat={planned['remat']!s:5} "
+                f"{planned['num_microbatches']:3d} {planned['schedule']:5} "
+                f"remat={planned['remat']!s:5} "
                 f"eff {planned['efficiency']:.3f} (exhaustive "
                 f"{row['exhaustive_best_efficiency']:.3f}, best fixed "
                 f"{row['best_fixed_efficiency']:.3f}), {planned['compiled']} compiled"

@@ -194,6 +194,10 @@ def check_count(name: str, value: Any) -> None:
 PIPELINE_AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 
 
+# The pipeline's schedules (docs/guides/pipeline.md).
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineLayout:
     """Where a pipelined window's stages and batch lie: the pipeline's part of
@@ -203,14 +207,30 @@ class PipelineLayout:
       stage_axis: the mesh axis the stages are placed on.
       data_axis: the mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular schedule when > 1).
+      schedule: ``"gpipe"`` or ``"1f1b"``.
     """
 
     stage_axis: str = "stage"
     data_axis: str | None = None
     repeats: int = 1
+    schedule: str = "gpipe"
 
     def __post_init__(self) -> None:
         check_positive_int("repeats", self.repeats)
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"schedule must be one of {PIPELINE_SCHEDULES}, got {self.schedule!r}."
+            )
+        if self.schedule == "1f1b" and self.repeats > 1:
+            raise ValueError(
+                f"schedule='1f1b' with repeats={self.repeats} (interleaved "
+                "1F1B) is not built: its backward slots would run the repeats "
+                "in reverse round the ring, each device keeping a ring of "
+                "stage inputs per repeat (docs/guides/pipeline.md, 'Not "
+                "built'). Use repeats=1 with '1f1b' (its activation memory is "
+                "flat in M already), or schedule='gpipe' for the circular "
+                "schedule."
+            )
         for name in ("stage_axis", "data_axis"):
             value = getattr(self, name)
             if not (isinstance(value, str) or (name == "data_axis" and value is None)):

@@ -651,13 +651,15 @@ def test_plan_command_plans_the_pipelined_demo_on_8_devices():
         line.split()
         for line in result.stdout.splitlines()
         if line.strip()[:1].isdigit()
-    ]  # M remat batch bubble efficiency temp unit total unit fits [<- chosen]
+    ]  # M schedule remat batch bubble efficiency temp unit total unit fits [chosen]
     assert len(table) >= 3, result.stdout  # a real choice: one did not fit
     chosen = [row for row in table if row[-1] == "chosen"]
-    fitting = [float(row[4]) for row in table if row[9] == "yes"]
+    fitting = [float(row[5]) for row in table if row[10] == "yes"]
     assert len(fitting) < len(table), result.stdout
-    assert len(chosen) == 1 and float(chosen[0][4]) == max(fitting), result.stdout
+    assert len(chosen) == 1 and float(chosen[0][5]) == max(fitting), result.stdout
+    assert {row[1] for row in table} == {"gpipe", "1f1b"}, result.stdout
     assert "num_microbatches=" in result.stdout and "data_axis='data'" in result.stdout
+    assert f"schedule={chosen[0][1]!r}" in result.stdout, result.stdout
 
 
 def test_plan_command_plans_one_stage_here(capsys):

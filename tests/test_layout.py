@@ -383,7 +383,8 @@ def test_front_end_keywords_are_the_options(front_end, exclude):
         for name, parameter in parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
         # a front end's own keywords: its mesh and the pipeline's layout
-        and name not in ("mesh", "data_axis", "embed_fn", "stage_axis", "repeats")
+        and name
+        not in ("mesh", "data_axis", "embed_fn", "stage_axis", "repeats", "schedule")
     }
     defaults = {
         field.name: field.default

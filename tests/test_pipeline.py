@@ -24,7 +24,7 @@ import optax
 import pytest
 import test_loss_scale as loss_scale_tests
 from check_scripts import run_script, selected_checks
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
 from pipeline_checks import CHECKS, RTOL, make_batch, make_params, sequential
@@ -150,7 +150,7 @@ def window_reference(params, batch, reduction, key=None, layers=1):
     return (total / weight, aux), grads
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     repeats=st.sampled_from([1, 2]),
     reduction=st.sampled_from(["mean", "weighted"]),
@@ -158,14 +158,16 @@ def window_reference(params, batch, reduction, key=None, layers=1):
     remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
     stats=st.booleans(),
     by_size=st.booleans(),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
 )
 def test_options_against_the_window_reference(
-    repeats, reduction, with_key, remat, stats, by_size
+    repeats, reduction, with_key, remat, stats, by_size, schedule
 ):
     """Every combination of repeats, reduction (with aux), keys, remat,
-    report_stats and M given as a count or a size equals the
-    micro-batch-by-micro-batch reference (RTOL of pipeline_checks.py: the
-    same sums in another order)."""
+    report_stats, M given as a count or a size and the schedule (1F1B at
+    R = 1) equals the micro-batch-by-micro-batch reference (RTOL of
+    pipeline_checks.py: the same sums in another order)."""
+    assume(schedule == "gpipe" or repeats == 1)
     params, batch = one_device_case(repeats)
     key = jax.random.key(3) if with_key else None
     weighted = reduction == "weighted"
@@ -182,6 +184,7 @@ def test_options_against_the_window_reference(
         has_aux=weighted,
         remat=remat,
         report_stats=stats,
+        schedule=schedule,
     )
     out = jax.jit(step)(params, batch, key)
     if stats:
@@ -337,6 +340,8 @@ def test_a_weighted_loss_that_is_not_a_pair():
         ({"aux_reduction": "stack"}, "aux_reduction must be one of"),
         ({"repeats": 0}, "repeats must be >= 1"),
         ({"data_axis": "stage"}, "both 'stage'"),
+        ({"schedule": "zb"}, "schedule must be one of"),
+        ({"schedule": "1f1b", "repeats": 2}, r"interleaved 1F1B\) is not built"),
     ],
 )
 def test_bad_options_fail_at_construction(options, match):
@@ -365,11 +370,12 @@ def test_what_a_pipeline_cannot_do_is_refused_with_why(option):
         build(**option)
 
 
-def test_report_finite_names_the_micro_batch():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_report_finite_names_the_micro_batch(schedule):
     """``report_finite``: micro-batch k (rows k, k + M, ...) is not finite
     exactly where one of its rows is inf; a clean window is finite."""
     params, batch = one_device_case(1)
-    step = jax.jit(build(report_finite=True))
+    step = jax.jit(build(report_finite=True, schedule=schedule))
     _, report = step(params, batch)
     assert isinstance(report, jaxaccum.FiniteReport)
     assert report.microbatch_finite.tolist() == [True] * NUM and bool(report.finite)
@@ -435,6 +441,49 @@ def test_the_bubble_fraction_formula():
         np.testing.assert_allclose(
             schedule.bubble_fraction, (stages - 1) / (num * repeats + stages - 1)
         )
+        if repeats == 1:  # 1F1B: the same bubble, in slots
+            one = Schedule(stages, num, 1, "1f1b")
+            assert one.num_ticks == num + 2 * (stages - 1)
+            assert one.bubble_fraction == schedule.bubble_fraction
+
+
+@settings(max_examples=60, deadline=None)
+@given(stages=st.integers(1, 6), num=st.integers(1, 12))
+def test_1f1b_slots_run_every_microbatch_once_each_way(stages, num):
+    """1F1B: each device runs each micro-batch's forward and backward once;
+    the forward one tick after the stage before's, the backward one tick
+    after the stage after's (the last stage's in the tick of its forward);
+    and a ring slot is not written again before its backward has read it
+    (the forward slot writes before the backward slot reads)."""
+    schedule = Schedule(stages, num, 1, "1f1b")
+    size = schedule.ring_size
+    forward, backward = {}, {}
+    for tick, device in itertools.product(range(schedule.num_ticks), range(stages)):
+        at = schedule.at(jnp.int32(tick), jnp.int32(device))
+        if bool(at.valid):
+            assert (int(at.microbatch), device) not in forward
+            forward[int(at.microbatch), device] = tick
+        valid, index = schedule.backward_at(jnp.int32(tick), jnp.int32(device))
+        if bool(valid):
+            assert (int(index), device) not in backward
+            backward[int(index), device] = tick
+    assert (
+        set(forward)
+        == set(backward)
+        == set(itertools.product(range(num), range(stages)))
+    )
+    for micro, device in forward:
+        if device > 0:
+            assert forward[micro, device] == forward[micro, device - 1] + 1
+        if device < stages - 1:
+            assert backward[micro, device] == backward[micro, device + 1] + 1
+        else:
+            assert backward[micro, device] == forward[micro, device]
+        # No later micro-batch of the same slot enters before this one leaves.
+        for later in range(micro + 1, num):
+            if later % size == micro % size:
+                assert forward[later, device] > backward[micro, device]
+    assert size == min(2 * stages - 1, num)
 
 
 def test_a_key_no_function_takes():
@@ -637,7 +686,7 @@ def test_plan_pipeline_refuses_what_it_chooses_and_says_when_nothing_fits():
         planned(candidates=[0, 2])
     with pytest.raises(TypeError, match="plan_pipeline does not take masked"):
         planned(masked=True)
-    with pytest.raises(ValueError, match=r"No window fits.*\n.*M\s+remat"):
+    with pytest.raises(ValueError, match=r"No window fits.*\n.*M\s+schedule\s+remat"):
         planned(candidates=[1, 2], memory_budget=1000)
 
 
@@ -758,6 +807,7 @@ PIPELINE_CHOICES = {
     "report": [None, "report_stats", "report_finite"],
     "scale_exponent": [None, 0, 64, 80],
     "repeats": [1, 2],
+    "schedule": ["gpipe", "1f1b"],
 }
 PIPELINE_OPTIONS = {name: st.sampled_from(v) for name, v in PIPELINE_CHOICES.items()}
 
@@ -790,7 +840,7 @@ EXAMPLE = {  # every option at its first value, then each issue-45 case
 }
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@settings(max_examples=14, deadline=None, derandomize=True, database=None)
 @given(**PIPELINE_OPTIONS)
 @example(  # case 1: token counts summed in float16 overflowed
     **{**EXAMPLE, "reduction": "weighted", "accum_dtype": jnp.float16}
@@ -816,7 +866,9 @@ def test_pipeline_options_drawn_against_the_sequential_model(
     report,
     scale_exponent,
     repeats,
+    schedule,
 ):
+    assume(schedule == "gpipe" or repeats == 1)  # 1F1B: R = 1 (refused else)
     params = make_params(repeats)
     batch = counted_batch(weight_dtype)
     batch = {**batch, "keep": jnp.arange(4 * NUM) % 3 != 0}
@@ -835,6 +887,7 @@ def test_pipeline_options_drawn_against_the_sequential_model(
         aux_reduction=aux_reduction,
         accum_dtype=accum_dtype,
         unroll=unroll,
+        schedule=schedule,
         **options,
     )
     given_params = (None, params[1], params[2])
@@ -889,39 +942,53 @@ def test_pipeline_options_drawn_against_the_sequential_model(
 
 @functools.cache
 def exhaustive_footprints(repeats: int) -> dict:
-    """Every (remat, M)'s footprint and efficiency, each compiled alone."""
+    """Every (schedule, remat, M)'s footprint and efficiency, each compiled
+    alone (1F1B with repeats=1 only)."""
     table = {}
-    for remat in (False, True):
-        for num in (2, 4, 8):
-            one = planned(
-                candidates=[num], remat=remat, repeats=repeats, memory_budget=2**40
-            )
-            table[remat, num] = (one.footprint_bytes, one.efficiency)
+    schedules = ("gpipe", "1f1b") if repeats == 1 else ("gpipe",)
+    for schedule, remat, num in itertools.product(schedules, (False, True), (2, 4, 8)):
+        one = planned(
+            candidates=[num],
+            schedule=schedule,
+            remat=remat,
+            repeats=repeats,
+            memory_budget=2**40,
+        )
+        table[schedule, remat, num] = (one.footprint_bytes, one.efficiency)
     return table
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(
     repeats=st.sampled_from([1, 2]),
+    schedule=st.sampled_from(["choose", "gpipe", "1f1b"]),
     remat=st.sampled_from(["choose", False, True]),
     candidates=st.sampled_from([(2, 4, 8), (4, 8), (2, 8)]),
     budget_at=st.integers(0, 5),
 )
 def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
-    repeats, remat, candidates, budget_at
+    repeats, schedule, remat, candidates, budget_at
 ):
-    """For drawn repeats, remat (chosen, or given), candidates and budgets
-    (each a compiled footprint), the plan is the most efficient fitting
-    configuration of the exhaustive table, with that footprint."""
+    """For drawn repeats, schedule and remat (chosen, or given), candidates
+    and budgets (each a compiled footprint), the plan is the most efficient
+    fitting configuration of the exhaustive table, with that footprint, and
+    on a tie of efficiencies GPipe's."""
+    assume(repeats == 1 or schedule != "1f1b")
     table = exhaustive_footprints(repeats)
     budget = sorted(f for f, _ in table.values())[budget_at]
     remats = (False, True) if remat == "choose" else (remat,)
+    schedules = ("gpipe", "1f1b") if schedule == "choose" else (schedule,)
     fitting = {
         key: value
         for key, value in table.items()
-        if key[0] in remats and key[1] in candidates and value[0] <= budget
+        if key[0] in schedules
+        and key[1] in remats
+        and key[2] in candidates
+        and value[0] <= budget
     }
     options = {} if remat == "choose" else {"remat": remat}
+    if schedule != "choose":
+        options["schedule"] = schedule
     run = functools.partial(
         planned, candidates=candidates, repeats=repeats, memory_budget=budget
     )
@@ -930,6 +997,25 @@ def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
             run(**options)
         return
     plan = run(**options)
-    assert plan.efficiency == max(e for _, e in fitting.values()), (plan, fitting)
-    key = (plan.remat, plan.num_microbatches)
+    best = max(e for _, e in fitting.values())
+    assert plan.efficiency == best, (plan, fitting)
+    key = (plan.schedule, plan.remat, plan.num_microbatches)
     assert key in fitting and plan.footprint_bytes == fitting[key][0]
+    ties = {k[0] for k, (_, e) in fitting.items() if e == best}
+    assert plan.schedule == ("gpipe" if "gpipe" in ties else "1f1b"), (plan, ties)
+
+
+def test_plan_pipeline_takes_1f1b_where_only_its_window_fits():
+    """At a budget between 1F1B's and GPipe's footprints at the largest M
+    (S = 1: 1F1B's ring is one slot, GPipe keeps every tick's input), the
+    plan is 1F1B's largest window, which GPipe's memory cannot reach;
+    1F1B with repeats > 1 is refused as the step refuses it."""
+    candidates = (2, 8)
+    table = exhaustive_footprints(1)
+    one_f_one_b, gpipe = table["1f1b", False, 8][0], table["gpipe", False, 8][0]
+    assert one_f_one_b < gpipe, table
+    plan = planned(candidates=candidates, repeats=1, memory_budget=one_f_one_b)
+    assert (plan.schedule, plan.num_microbatches) == ("1f1b", 8), str(plan)
+    assert "schedule='1f1b'" in str(plan)
+    with pytest.raises(ValueError, match="interleaved"):
+        planned(schedule="1f1b", repeats=2)

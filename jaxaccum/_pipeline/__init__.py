@@ -19,15 +19,23 @@ the fill, their cotangents are selected away (:func:`_gated_stage`), and
 nothing they compute reaches the loss, so a NaN made in a bubble cannot reach
 a gradient.
 
+1F1B (``schedule="1f1b"``) runs the backward pass in the same loop: ``M + 2
+(S - 1)`` ticks, each a forward and a backward slot per device, a stage's
+backward the ``jax.vjp`` of its forward rebuilt from a ring of ``min(2 S -
+1, M)`` saved residuals, so the activation memory is flat in ``M``.
+
 The package, one concept per module: ``_schedule`` (the ticks: which
 micro-batch and stage each device runs when), ``_calls`` (the user's
 functions as the loop calls them: dtypes, keys, remat, gated gradients),
-``_loop`` (one device's window: embed, the ticks, the losses), ``_layout``
+``_device`` (what a device's window reads: its parameters, micro-batches,
+keys, fill), ``_loop`` (one device's GPipe window: embed, the ticks, the
+losses), ``_1f1b`` (one device's 1F1B window, its backward included),
+``_layout``
 (the mesh, the stacked stages, FSDP, the call's checks, gradients laid out
 like the parameters), ``_stats`` (the probes and the window's reports read
 off them), ``_step`` (the front end:
 differentiation, the loss scale, normalisation) and ``_plan`` (the window's
-``M`` and ``remat`` for a memory budget).
+``M``, schedule and ``remat`` for a memory budget).
 """
 
 from jaxaccum._pipeline._plan import PipelinePlan as PipelinePlan

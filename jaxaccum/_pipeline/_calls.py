@@ -56,6 +56,9 @@ class Calls(NamedTuple):
       own_stages: ``own_stages(stages)``, the stacked stage parameters cast
         to their own dtype (no gradient: ``stage`` routes it to ``stages``).
       own_loss: ``loss`` in ``loss_fn``'s own dtypes (for its shapes only).
+      bare_stage: ``bare_stage(own, repeat, x, key) -> x``, the stage as
+        ``stage`` runs it (its checkpoint policy, remat's) without the gate:
+        the 1F1B loop takes its ``jax.vjp`` and gates the result itself.
     """
 
     embed: Callable[..., Any]
@@ -63,6 +66,7 @@ class Calls(NamedTuple):
     loss: Callable[..., LossOut]
     own_stages: Callable[[Any], Any]
     own_loss: Callable[..., LossOut]
+    bare_stage: Callable[..., Any]
 
 
 def takes_key(fn: Callable[..., Any] | None) -> bool:
@@ -225,12 +229,10 @@ def make_calls(
     def loss(params, x, micro_batch, key):
         return summed(own_loss(params, x, micro_batch, key), options)
 
-    stage_policy = _stage_policy(options.remat)
-    stage = _gated_stage(
-        jax.checkpoint(stage, policy=stage_policy), options.accum_dtype
-    )
+    bare = jax.checkpoint(stage, policy=_stage_policy(options.remat))
     if options.remat:
         policy = None if isinstance(options.remat, bool) else options.remat
         embed = jax.checkpoint(embed, policy=policy)
         loss = jax.checkpoint(loss, policy=policy)
-    return Calls(embed, stage, loss, own_stages, own_loss)
+    gated = _gated_stage(bare, options.accum_dtype)
+    return Calls(embed, gated, loss, own_stages, own_loss, bare)

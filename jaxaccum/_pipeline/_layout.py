@@ -13,7 +13,7 @@ from jaxaccum import _metadata, _split
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, make_calls
-from jaxaccum._pipeline._loop import Shapes
+from jaxaccum._pipeline._device import Shapes
 from jaxaccum._pipeline._schedule import Schedule, schedule_on
 
 

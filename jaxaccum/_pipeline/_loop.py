@@ -1,4 +1,5 @@
-"""One device's window under ``shard_map``: the first stage embeds every
+"""One device's GPipe (or circular) window under ``shard_map``, backward
+by autodiff through it: the first stage embeds every
 micro-batch, the ticks run (activations handed on by ``ppermute``,
 recirculated for ``repeats > 1``), the last stage takes every loss."""
 
@@ -10,31 +11,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxaccum import _split
 from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, LossOut
+from jaxaccum._pipeline._device import (
+    Device,
+    Probes,
+    Shapes,
+    make_device,
+    microbatch_key,
+    select,
+    varying,
+)
 from jaxaccum._pipeline._schedule import Schedule
-
-
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``jnp.where`` leaf by leaf: a select, so a NaN in the branch not taken
-    reaches neither the value nor, in the backward pass, the cotangent."""
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def _varying(tree: Any, axes: tuple[str, ...]) -> Any:
-    """``tree`` typed as varying over every axis of ``axes``. Parameters
-    cast before the loop have their gradients all-reduced once, after it, by
-    the transpose of this cast (were it left to JAX, inside the loop, the
-    reduction could land there: once per tick)."""
-
-    def cast(x: Any) -> Any:
-        varying = jax.typeof(x).manual_axis_type.varying
-        missing = tuple(a for a in axes if a not in varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
 
 
 @jax.custom_vjp
@@ -57,42 +46,6 @@ def _probe_bwd(probe: jax.Array, cotangent: Any) -> tuple[Any, jax.Array]:
 _probe.defvjp(_probe_fwd, _probe_bwd)
 
 
-class Probes(NamedTuple):
-    """Zeros whose gradients are squared norms of parameter gradients: per
-    micro-batch of its embedding's and its head's, per tick of the stage's.
-    Each ``(S, D, M)``, ``(S, D, T)``, ``(S, D, M)`` over the devices."""
-
-    embed: jax.Array
-    stage: jax.Array
-    head: jax.Array
-
-
-class Shapes(NamedTuple):
-    """The shapes of one micro-batch's activation ``x`` and loss (as the
-    window sums it, and in ``loss_fn``'s own dtypes)."""
-
-    x: Any
-    loss: LossOut
-    own: LossOut
-
-
-class _Device(NamedTuple):
-    """What one device's window reads, fixed over the window."""
-
-    calls: Calls
-    options: AccumOptions
-    schedule: Schedule
-    stage: jax.Array
-    embed: Any
-    stages: Any
-    own_stages: Any
-    head: Any
-    batch: _split.StridedBatch
-    keys: Any
-    fill: Any
-    no_loss: LossOut
-
-
 class _Carry(NamedTuple):
     """The scan carry of a device.
 
@@ -107,20 +60,12 @@ class _Carry(NamedTuple):
     waiting: Any
 
 
-def _microbatch_key(device: _Device, index: Any, layer: Any) -> Any:
-    """The key of micro-batch ``index`` at model stage ``layer`` (``S R``
-    for the embedding, ``S R + 1`` for the loss), None without a key."""
-    if device.keys is None:
-        return None
-    return jax.random.fold_in(device.keys[index], layer)
-
-
 def _map(fn: Callable[..., Any], xs: tuple, unroll: int | bool) -> Any:
     """``fn(*x)`` for each ``x`` of ``xs`` (split on axis 0), stacked: a scan."""
     return lax.scan(lambda _, x: (None, fn(*x)), None, xs, unroll=unroll)[1]
 
 
-def _embedded(device: _Device, probes: jax.Array | None) -> Any:
+def _embedded(device: Device, probes: jax.Array | None) -> Any:
     """``(M, ...)``: every micro-batch embedded, on the first stage's device
     (the fill elsewhere), before the loop: one conditional per window."""
     num, schedule = device.schedule.num_microbatches, device.schedule
@@ -129,17 +74,17 @@ def _embedded(device: _Device, probes: jax.Array | None) -> Any:
     def embed_one(index, probe):
         params = device.embed if probe is None else _probe(device.embed, probe)
         micro = device.batch.microbatch(index)
-        return device.calls.embed(params, micro, _microbatch_key(device, index, layers))
+        return device.calls.embed(params, micro, microbatch_key(device, index, layers))
 
     def embed_all():
         out = _map(embed_one, (jnp.arange(num), probes), device.options.unroll)
-        return _varying(out, device.options.layout.manual_axes)
+        return varying(out, device.options.layout.manual_axes)
 
     fills = _repeated(device.fill, num)
     return lax.cond(device.stage == 0, embed_all, lambda: fills)
 
 
-def _losses(device: _Device, leaving: Any, probes: jax.Array | None) -> LossOut:
+def _losses(device: Device, leaving: Any, probes: jax.Array | None) -> LossOut:
     """Each micro-batch's :class:`LossOut` (stacked), from its activation
     leaving the last stage, on the last stage's device (zeros elsewhere),
     after the loop: one conditional per window."""
@@ -149,19 +94,19 @@ def _losses(device: _Device, leaving: Any, probes: jax.Array | None) -> LossOut:
     def loss_one(index, x, probe):
         params = device.head if probe is None else _probe(device.head, probe)
         micro = device.batch.microbatch(index)
-        key = _microbatch_key(device, index, layers + 1)
+        key = microbatch_key(device, index, layers + 1)
         return device.calls.loss(params, x, micro, key)
 
     def loss_all():
         xs = (jnp.arange(num), leaving, probes)
         out = _map(loss_one, xs, device.options.unroll)
-        return _varying(out, device.options.layout.manual_axes)
+        return varying(out, device.options.layout.manual_axes)
 
     zeros = _repeated(device.no_loss, num)
     return lax.cond(device.stage == schedule.num_stages - 1, loss_all, lambda: zeros)
 
 
-def _recirculated(device: _Device, carry: _Carry, tick_index: jax.Array):
+def _recirculated(device: Device, carry: _Carry, tick_index: jax.Array):
     """The activation that left the last stage ``M`` iterations ago (the
     first stage's input for its next repeat), and the updated buffer."""
     delay = device.schedule.recirculation_delay
@@ -179,7 +124,7 @@ def _recirculated(device: _Device, carry: _Carry, tick_index: jax.Array):
     return out, waiting
 
 
-def _tick(device: _Device, carry: _Carry, xs: tuple) -> tuple[_Carry, Any]:
+def _tick(device: Device, carry: _Carry, xs: tuple) -> tuple[_Carry, Any]:
     """One tick of one device: its stage on its input (the fill in a
     bubble), the result handed to the next stage's device; returns the
     result where a micro-batch leaves the last stage (the fill elsewhere)."""
@@ -189,11 +134,11 @@ def _tick(device: _Device, carry: _Carry, xs: tuple) -> tuple[_Carry, Any]:
     first, waiting = entering, carry.waiting
     if schedule.repeats > 1:
         recirculated, waiting = _recirculated(device, carry, tick_index)
-        first = _select(tick.repeat == 0, entering, recirculated)
-    x = _select(device.stage == 0, first, carry.incoming)
-    x = _select(tick.valid, x, device.fill)
+        first = select(tick.repeat == 0, entering, recirculated)
+    x = select(device.stage == 0, first, carry.incoming)
+    x = select(tick.valid, x, device.fill)
     with jax.named_scope("jaxaccum_pipeline_stage"):
-        key = _microbatch_key(device, tick.microbatch, tick.layer)
+        key = microbatch_key(device, tick.microbatch, tick.layer)
         y = device.calls.stage(
             device.stages, device.own_stages, tick.repeat, tick.valid, probe, x, key
         )
@@ -202,7 +147,7 @@ def _tick(device: _Device, carry: _Carry, xs: tuple) -> tuple[_Carry, Any]:
     if schedule.repeats > 1:
         ring.append((num - 1, 0))
     incoming = lax.ppermute(y, device.options.layout.stage_axis, ring)
-    return _Carry(incoming, waiting), _select(tick.exits, y, device.fill)
+    return _Carry(incoming, waiting), select(tick.exits, y, device.fill)
 
 
 def _repeated(tree: Any, count: int) -> Any:
@@ -210,27 +155,7 @@ def _repeated(tree: Any, count: int) -> Any:
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), tree)
 
 
-def _fill_like(shapes: Any, value: float) -> Any:
-    """Arrays of ``shapes`` holding ``value`` (0 in non-float leaves)."""
-
-    def full(s: Any) -> jax.Array:
-        inexact = jnp.issubdtype(s.dtype, jnp.inexact)
-        return jnp.full(s.shape, value if inexact else 0, s.dtype)
-
-    return jax.tree.map(full, shapes)
-
-
-def _microbatch_keys(key: Any, options: AccumOptions, num: int) -> Any:
-    """Micro-batch ``k``'s key is ``split(key, M)[k]``, after folding in the
-    data shard's index: the same for every tick and stage that carries it."""
-    if key is None:
-        return None
-    if options.layout.data_axis:
-        key = jax.random.fold_in(key, lax.axis_index(options.layout.data_axis))
-    return jax.random.split(key, num)
-
-
-def _run_ticks(device: _Device, entering: Any, probes: jax.Array | None) -> Any:
+def _run_ticks(device: Device, entering: Any, probes: jax.Array | None) -> Any:
     """The loop: ``T`` ticks; returns ``(M, ...)``, each micro-batch's
     activation as it left the last stage (on the last stage's device).
 
@@ -274,32 +199,8 @@ def on_device(
     (``(1, 1, M)`` per device, for the stats).
     """
     axes = options.layout.manual_axes
-    embed, stages, head = params
-    stages = jax.tree.map(lambda p: p[:, 0], stages)  # (R, ...): this device's
-    # FSDP leaves gathered once, before the loop: reduce-scattered once after.
-    embed, stages, head = jax.tree.map(
-        lambda p, dim: (
-            p
-            if dim < 0
-            else lax.all_gather(p, options.layout.data_axis, axis=dim, tiled=True)
-        ),
-        (embed, stages, head),
-        fsdp_dims,
-    )
-    embed, stages, head = _varying((embed, stages, head), axes)
-    device = _Device(
-        calls=calls,
-        options=options,
-        schedule=schedule,
-        stage=lax.axis_index(options.layout.stage_axis),
-        embed=embed,
-        stages=stages,
-        own_stages=calls.own_stages(stages),
-        head=head,
-        batch=_split.strided_batch(batch, schedule.num_microbatches),
-        keys=_microbatch_keys(key, options, schedule.num_microbatches),
-        fill=_varying(_fill_like(shapes.x, bubble_fill), axes),
-        no_loss=_varying(_fill_like(shapes.loss, 0.0), axes),
+    device = make_device(
+        calls, options, schedule, shapes, fsdp_dims, bubble_fill, params, batch, key
     )
     if probes is not None:
         probes = jax.tree.map(lambda p: p.reshape(-1), probes)

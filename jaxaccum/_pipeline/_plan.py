@@ -1,14 +1,15 @@
 """The pipeline's planner: :func:`plan_pipeline`, the window's ``M`` (and
-``remat``) for a memory budget, from the compiled step.
+``remat`` and the schedule) for a memory budget, from the compiled step.
 
 At a fixed batch a larger ``M`` is both a smaller bubble and less memory
 (smaller micro-batches), so "the smallest bubble that fits" would always be
 micro-batches of one row. The planner holds the micro-batch fixed instead
 (the size a device computes efficiently) and grows the window: each ``M``
 compiles the step on ``M`` such micro-batches, GPipe's memory grows with
-``M`` while the bubble ``(S - 1) / (M R + S - 1)`` shrinks, and ``remat``
-buys a larger ``M`` for a recomputed forward pass. It returns the fitting
-configuration whose stage work is most useful (:func:`efficiency`).
+``M`` while the bubble ``(S - 1) / (M R + S - 1)`` shrinks, ``remat``
+buys a larger ``M`` for a recomputed forward pass, and 1F1B's memory stops
+growing from ``M = 2 S - 1`` on. It returns the fitting configuration whose
+stage work is most useful (:func:`efficiency`).
 """
 
 import dataclasses
@@ -37,10 +38,12 @@ _ASSUMED_RECOMPUTE = 1 / 3  # a backward pass twice the forward's FLOPs
 
 @dataclasses.dataclass(frozen=True)
 class PipelinePlanRow:
-    """The compiled memory of the pipelined step at one ``(M, remat)``.
+    """The compiled memory of the pipelined step at one ``(M, schedule,
+    remat)``.
 
     Attributes:
       num_microbatches: ``M``.
+      schedule: ``"gpipe"`` or ``"1f1b"``.
       remat: the ``remat`` compiled (False, True or a checkpoint policy).
       batch_size: rows of the window's batch, ``M`` micro-batches.
       bubble: ``(S - 1) / (M R + S - 1)``, the share of ticks idle.
@@ -54,6 +57,7 @@ class PipelinePlanRow:
     """
 
     num_microbatches: int
+    schedule: str
     remat: Any
     batch_size: int
     bubble: float
@@ -69,8 +73,9 @@ class PipelinePlan:
     """The result of :func:`plan_pipeline`; ``print`` it for the table.
 
     Attributes:
-      num_microbatches: the chosen ``M``; pass it (and ``remat``) to
-        :func:`jaxaccum.pipeline_value_and_grad`.
+      num_microbatches: the chosen ``M``; pass it (and ``schedule`` and
+        ``remat``) to :func:`jaxaccum.pipeline_value_and_grad`.
+      schedule: the chosen schedule, ``"gpipe"`` or ``"1f1b"``.
       remat: the chosen ``remat``.
       microbatch_rows: rows of one micro-batch over all data shards.
       batch_size: the window's batch at the chosen ``M``.
@@ -82,10 +87,11 @@ class PipelinePlan:
       recompute_measured: whether ``recompute`` was counted, not assumed.
       memory_budget: the budget in bytes.
       footprint_bytes: the compiled footprint per device at the choice.
-      rows: every compiled configuration, by ``remat`` then ``M``.
+      rows: every compiled configuration, by schedule, ``remat``, ``M``.
     """
 
     num_microbatches: int
+    schedule: str
     remat: Any
     microbatch_rows: int
     batch_size: int
@@ -101,7 +107,8 @@ class PipelinePlan:
         header = (
             f"Pipeline plan (grads): micro-batch {self.microbatch_rows} rows, "
             f"budget {format_bytes(self.memory_budget)} -> num_microbatches="
-            f"{self.num_microbatches}, remat={_name(self.remat)} (batch "
+            f"{self.num_microbatches}, schedule={self.schedule!r}, "
+            f"remat={_name(self.remat)} (batch "
             f"{self.batch_size}, bubble {self.bubble:.3f}, efficiency "
             f"{self.efficiency:.3f}), footprint {format_bytes(self.footprint_bytes)}"
         )
@@ -111,11 +118,13 @@ class PipelinePlan:
 
 
 def efficiency(schedule: Schedule, remat: Any, recompute: float) -> float:
-    """The share of a window's stage work that is useful: every tick costs
-    a stage's forward and backward pass (bubbles too: a lockstep program
-    computes them on masked inputs), ``remat`` adds its forward again
-    (``recompute`` of the two; an upper bound for a checkpoint policy), and
-    ``M R`` of the ``M R + S - 1`` ticks carry a micro-batch."""
+    """The share of a window's stage work that is useful: ``M R`` of ``M R +
+    S - 1`` ticks' worth of a stage's forward and backward pass carry a
+    micro-batch, and ``remat`` adds its forward again (``recompute`` of the
+    two; an upper bound for a checkpoint policy). GPipe computes its bubbles
+    on masked inputs; 1F1B's ``M + 2 (S - 1)`` ticks skip theirs, its
+    ``S - 1`` first a forward's and its ``S - 1`` last a backward's, the
+    same ``M + S - 1`` ticks' worth (the schedules differ in memory)."""
     useful = 1 - schedule.bubble_fraction
     return useful / (1 + (recompute if remat else 0.0))
 
@@ -138,25 +147,29 @@ def plan_pipeline(
     stage_axis: str = "stage",
     data_axis: str | None = None,
     repeats: int = 1,
+    schedule: str | None = None,
     candidates: Iterable[int] | None = None,
     key: Any = None,
     **options: Any,
 ) -> PipelinePlan:
     """Finds the window whose pipelined step fits a memory budget with the
-    least idle and recomputed work: ``M`` and ``remat``.
+    least idle and recomputed work: ``M``, the schedule and ``remat``.
 
     The micro-batch is held fixed and the window grows: for each candidate
-    ``M`` (and ``remat`` False and True, unless ``remat=`` is given) it
-    compiles ``jax.jit(pipeline_value_and_grad(stage_fn, loss_fn, M, ...))``
+    ``M`` (each schedule, GPipe then 1F1B, and ``remat`` False and True,
+    unless ``schedule=`` or ``remat=`` is given) it compiles
+    ``jax.jit(pipeline_value_and_grad(stage_fn, loss_fn, M, ...))``
     on a batch of ``M`` micro-batches like ``microbatch`` and reads its
     footprint per device from ``compiled.memory_analysis()`` (nothing runs:
     ``params`` and ``microbatch`` may be ``jax.ShapeDtypeStruct`` values).
-    Memory grows with ``M``, so for each ``remat`` it compiles the largest
-    candidate, then the smallest, then bisects for the largest that fits;
-    of those it returns the most efficient (:func:`efficiency`: the bubble
+    Memory grows with ``M``, so for each schedule and ``remat`` it compiles
+    the largest candidate, then the smallest, then bisects for the largest
+    that fits (only among the ``M`` that could beat the best found); of
+    those it returns the most efficient (:func:`efficiency`: the bubble
     ``(S - 1) / (M R + S - 1)`` and, with ``remat``, the stage's forward
-    FLOPs again, counted by ``cost_analysis()`` of one stage). Why not a
-    fixed batch, and what is counted: docs/guides/pipeline.md.
+    FLOPs again, counted by ``cost_analysis()`` of one stage), GPipe on a
+    tie. Why not a fixed batch, and what is counted:
+    docs/guides/pipeline.md.
 
     Args:
       stage_fn: one stage, as for :func:`jaxaccum.pipeline_value_and_grad`.
@@ -174,6 +187,8 @@ def plan_pipeline(
       stage_axis: the mesh axis of the stages, as there.
       data_axis: the mesh axis the batch is sharded over, or None, as there.
       repeats: stages per device, as there.
+      schedule: ``"gpipe"`` or ``"1f1b"`` to plan that one only; None: both
+        (GPipe only with ``repeats > 1``, which 1F1B does not take).
       candidates: the ``M`` to consider (each >= S with ``repeats > 1``).
         Default: ``S, 2S, 4S, ..., 32S``.
       key: a PRNG key, if the functions take one.
@@ -182,8 +197,9 @@ def plan_pipeline(
         ``accum_dtype``, ...); ``remat=`` plans that one only.
 
     Returns:
-      A :class:`PipelinePlan`: ``num_microbatches`` and ``remat`` to build
-      the step with, and the table of every compiled configuration.
+      A :class:`PipelinePlan`: ``num_microbatches``, ``schedule`` and
+      ``remat`` to build the step with, and the table of every compiled
+      configuration.
 
     Raises:
       ValueError: if nothing fits (with the smallest footprint compiled and
@@ -199,7 +215,7 @@ def plan_pipeline(
             )
     budget = parse_memory_budget(memory_budget)
     given_remat = "remat" in options
-    layout = PipelineLayout(stage_axis, data_axis, repeats)
+    layout = PipelineLayout(stage_axis, data_axis, repeats, schedule or "gpipe")
     base = AccumOptions.create(
         "plan_pipeline",
         1,
@@ -208,6 +224,10 @@ def plan_pipeline(
         refused=PIPELINE_REFUSED,
     )
     remats = (base.remat,) if given_remat else (False, True)
+    schedules = (
+        (schedule,) if schedule else ("gpipe", "1f1b")[: 2 if repeats == 1 else 1]
+    )
+    configs = [(kind, remat) for kind in schedules for remat in remats]
     device_mesh = resolve_mesh(mesh, base)
     num_stages = device_mesh.shape[stage_axis]
     candidates = _check_candidates(candidates, num_stages, repeats)
@@ -215,32 +235,38 @@ def plan_pipeline(
     first = dataclasses.replace(base, num_microbatches=candidates[0])
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
 
-    def efficiency_of(num: int, remat: Any) -> float:
-        return efficiency(Schedule(num_stages, num, repeats), remat, recompute)
+    def efficiency_of(num: int, config: tuple) -> float:
+        return efficiency(Schedule(num_stages, num, repeats), config[1], recompute)
 
-    def measure(num: int, remat: Any) -> PipelinePlanRow:
-        call = dataclasses.replace(base, num_microbatches=num, remat=remat)
+    def measure(num: int, config: tuple) -> PipelinePlanRow:
+        kind, remat = config
+        pipeline = dataclasses.replace(layout, schedule=kind)
+        call = dataclasses.replace(
+            base, num_microbatches=num, remat=remat, pipeline=pipeline
+        )
         row = _measure(functions, call, mesh, (params, microbatch, key))
         return dataclasses.replace(
             row,
             bubble=Schedule(num_stages, num, repeats).bubble_fraction,
-            efficiency=efficiency_of(num, remat),
+            efficiency=efficiency_of(num, config),
             fits=row.total_bytes <= budget,
         )
 
-    chosen, ordered = _search(measure, efficiency_of, candidates, remats)
+    chosen, ordered = _search(measure, efficiency_of, candidates, configs)
     if chosen is None:
         smallest = min(ordered, key=lambda row: row.total_bytes)
         raise ValueError(
             f"No window fits memory_budget={format_bytes(budget)} ({budget} "
             f"bytes): the smallest footprint compiled is "
             f"{format_bytes(smallest.total_bytes)} at num_microbatches="
-            f"{smallest.num_microbatches}, remat={_name(smallest.remat)}. Raise "
+            f"{smallest.num_microbatches}, schedule={smallest.schedule!r}, "
+            f"remat={_name(smallest.remat)}. Raise "
             "the budget, or use a smaller micro-batch or model.\n"
             + _table(ordered, None)
         )
     return PipelinePlan(
         num_microbatches=chosen.num_microbatches,
+        schedule=chosen.schedule,
         remat=chosen.remat,
         microbatch_rows=_rows(microbatch),
         batch_size=chosen.batch_size,
@@ -255,27 +281,27 @@ def plan_pipeline(
 
 
 def _search(
-    measure: Callable[[int, Any], PipelinePlanRow],
-    efficiency_of: Callable[[int, Any], float],
+    measure: Callable[[int, tuple], PipelinePlanRow],
+    efficiency_of: Callable[[int, tuple], float],
     candidates: list[int],
-    remats: tuple,
+    configs: list[tuple],
 ) -> tuple[PipelinePlanRow | None, tuple[PipelinePlanRow, ...]]:
     """The most efficient configuration that fits (None if none) and every
-    row compiled, by ``remat`` then ``M``. Memory grows with ``M``, so per
-    ``remat`` the largest fitting ``M`` is bisected for; ``remat=False``
-    first, and a later ``remat`` is compiled only at the ``M`` whose
+    row compiled, by ``(schedule, remat)`` then ``M``. Memory grows with
+    ``M``, so per ``(schedule, remat)`` the largest fitting ``M`` is bisected
+    for, in the order given; a later one is compiled only at the ``M`` whose
     efficiency (known before compiling) could beat the best found."""
     rows: dict[tuple[int, int], PipelinePlanRow] = {}
     chosen: PipelinePlanRow | None = None
-    for choice, remat in enumerate(remats):
+    for choice, config in enumerate(configs):
         floor = -1.0 if chosen is None else chosen.efficiency
         better = [
-            i for i, m in enumerate(candidates) if efficiency_of(m, remat) > floor
+            i for i, m in enumerate(candidates) if efficiency_of(m, config) > floor
         ]
 
         def fits(at: int, better: list = better, choice: int = choice) -> bool:
             index = better[at]
-            rows[choice, index] = measure(candidates[index], remats[choice])
+            rows[choice, index] = measure(candidates[index], configs[choice])
             return rows[choice, index].fits
 
         found = _largest_fitting(len(better), fits)
@@ -367,6 +393,7 @@ def _measure(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
         )
     return PipelinePlanRow(
         num_microbatches=num,
+        schedule=options.layout.schedule,
         remat=options.remat,
         batch_size=num * _rows(microbatch),
         bubble=0.0,
@@ -415,10 +442,21 @@ def _recompute(
 
 
 def _table(rows: tuple[PipelinePlanRow, ...], chosen: PipelinePlan | None) -> str:
-    header = ("M", "remat", "batch", "bubble", "efficiency", "temp", "total", "fits")
+    header = (
+        "M",
+        "schedule",
+        "remat",
+        "batch",
+        "bubble",
+        "efficiency",
+        "temp",
+        "total",
+        "fits",
+    )
     lines = [header] + [
         (
             str(row.num_microbatches),
+            row.schedule,
             _name(row.remat),
             str(row.batch_size),
             f"{row.bubble:.3f}",
@@ -429,17 +467,17 @@ def _table(rows: tuple[PipelinePlanRow, ...], chosen: PipelinePlan | None) -> st
             + (
                 "  <- chosen"
                 if chosen is not None
-                and (row.num_microbatches, row.remat)
-                == (chosen.num_microbatches, chosen.remat)
+                and (row.num_microbatches, row.schedule, row.remat)
+                == (chosen.num_microbatches, chosen.schedule, chosen.remat)
                 else ""
             ),
         )
         for row in rows
     ]
-    widths = [max(len(line[i]) for line in lines) for i in range(7)]
+    widths = [max(len(line[i]) for line in lines) for i in range(8)]
     return "\n".join(
         "  ".join(
-            [*(c.rjust(w) for c, w in zip(line[:7], widths, strict=True)), line[7]]
+            [*(c.rjust(w) for c, w in zip(line[:8], widths, strict=True)), line[8]]
         )
         for line in lines
     )

@@ -17,22 +17,42 @@ class Schedule(NamedTuple):
       num_stages: ``S``, the size of the stage axis.
       num_microbatches: ``M``.
       repeats: ``R``; model stage ``r S + d`` runs on device ``d``.
+      kind: ``"gpipe"`` (every forward pass, then autodiff's backward) or
+        ``"1f1b"`` (each tick a forward and a backward slot per device).
     """
 
     num_stages: int
     num_microbatches: int
     repeats: int
+    kind: str = "gpipe"
 
     @property
     def num_ticks(self) -> int:
-        """``M R + S - 1``: each device runs ``M R`` iterations, the last
-        device starting ``S - 1`` ticks after the first."""
+        """GPipe: ``M R + S - 1`` (each device runs ``M R`` iterations, the
+        last device starting ``S - 1`` ticks after the first). 1F1B: ``M +
+        2 (S - 1)``, a micro-batch's backward leaving the first stage
+        ``2 (S - 1)`` ticks after its forward entered it."""
+        if self.kind == "1f1b":
+            return self.num_microbatches + 2 * (self.num_stages - 1)
         return self.num_microbatches * self.repeats + self.num_stages - 1
 
     @property
     def bubble_fraction(self) -> float:
-        """``(S - 1) / (M R + S - 1)``: the share of a device's ticks idle."""
-        return (self.num_stages - 1) / self.num_ticks
+        """``(S - 1) / (M R + S - 1)``: the share of a device's time idle,
+        for either schedule. GPipe's forward and backward loops each idle
+        ``S - 1`` of their ticks; 1F1B's first ``S - 1`` ticks run forward
+        slots only, its last ``S - 1`` backward slots only (the slots of a
+        bubble skipped), so it takes ``(M + S - 1)`` forward-and-backward
+        times too."""
+        ticks = self.num_microbatches * self.repeats + self.num_stages - 1
+        return (self.num_stages - 1) / ticks
+
+    @property
+    def ring_size(self) -> int:
+        """1F1B: the stage inputs (or residuals) a device keeps, ``min(2 S -
+        1, M)``: stage ``d`` holds micro-batch ``m`` from its forward at tick
+        ``m + d`` to its backward at tick ``m + 2 (S - 1) - d``."""
+        return min(2 * self.num_stages - 1, self.num_microbatches)
 
     @property
     def recirculation_delay(self) -> int:
@@ -55,6 +75,13 @@ class Schedule(NamedTuple):
             enters=valid & (stage == 0) & (repeat == 0),
             exits=valid & (stage == self.num_stages - 1) & (repeat == self.repeats - 1),
         )
+
+    def backward_at(self, tick: Any, stage: Any) -> tuple[Any, Any]:
+        """1F1B: whether the device of ``stage`` runs a backward slot at
+        ``tick``, and the micro-batch's (clipped in a bubble)."""
+        iteration = tick - 2 * (self.num_stages - 1) + stage
+        valid = (iteration >= 0) & (iteration < self.num_microbatches)
+        return valid, jnp.clip(iteration, 0, self.num_microbatches - 1)
 
 
 class Tick(NamedTuple):
@@ -83,7 +110,9 @@ def schedule_on(mesh: Any, options: AccumOptions) -> Schedule:
     layout = options.layout
     num = options.num_microbatches
     assert num is not None, "the step resolves microbatch_size to M first"
-    schedule = Schedule(mesh.shape[layout.stage_axis], num, layout.repeats)
+    schedule = Schedule(
+        mesh.shape[layout.stage_axis], num, layout.repeats, layout.schedule
+    )
     if layout.repeats > 1 and num < schedule.num_stages:
         raise ValueError(
             f"repeats={layout.repeats} needs num_microbatches >= the "

@@ -14,16 +14,20 @@ from jax.sharding import PartitionSpec
 
 from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
 from jaxaccum._options import AccumOptions
+from jaxaccum._pipeline._device import Probes
 from jaxaccum._pipeline._layout import Prepared, place
-from jaxaccum._pipeline._loop import Probes
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._window import FiniteReport
 
 
 def tick_microbatches(schedule: Schedule) -> np.ndarray:
-    """``(S, T, M)`` bool: which micro-batch device ``d`` carries at tick ``t``."""
+    """``(S, T, M)`` bool: which micro-batch device ``d``'s stage gradient
+    comes from at tick ``t`` (GPipe: the one it carries forward; 1F1B: its
+    backward slot's)."""
     stage = np.arange(schedule.num_stages)[:, None]
     iteration = np.arange(schedule.num_ticks)[None, :] - stage
+    if schedule.kind == "1f1b":
+        iteration = iteration + 2 * stage - 2 * (schedule.num_stages - 1)
     valid = (iteration >= 0) & (
         iteration < schedule.num_microbatches * schedule.repeats
     )

@@ -23,7 +23,9 @@ from jaxaccum._options import (
     PipelineLayout,
     options_signature,
 )
+from jaxaccum._pipeline._1f1b import run_window
 from jaxaccum._pipeline._calls import LossOut, takes_key
+from jaxaccum._pipeline._device import Probes
 from jaxaccum._pipeline._layout import (
     Prepared,
     check_callable_mesh,
@@ -38,7 +40,7 @@ from jaxaccum._pipeline._layout import (
     unpack_params,
     with_microbatch_count,
 )
-from jaxaccum._pipeline._loop import Probes, on_device
+from jaxaccum._pipeline._loop import on_device
 from jaxaccum._pipeline._schedule import schedule_on
 from jaxaccum._pipeline._stats import make_probes, probed, unshared, window_report
 from jaxaccum._value_and_grad import check_differentiable
@@ -89,21 +91,11 @@ def _window_share(
     return microbatch_share(options, pieces, weight, dtype)
 
 
-def _differentiate(
-    prepared: Prepared,
-    options: AccumOptions,
-    bubble_fill: float,
-    params: tuple,
-    batch: Any,
-    key: Any,
-    loss_scale: jax.Array | None = None,
-) -> _Raw:
-    """The pipelined loss sum and its gradient: autodiff through the
-    ``shard_map``'d scan. The parameters are laid out for the stage axis in
-    their own dtype, then cast up to the accumulation dtype, so their
-    gradients accumulate and are reduced (once, at the ``shard_map``'s
-    boundary) in it. With ``loss_scale``, the loss sum is scaled before the
-    backward pass and the gradients unscaled after it, in float32."""
+def _laid_out(prepared: Prepared, options: AccumOptions, params, batch, key):
+    """``params``, ``batch`` and ``key`` placed on the mesh: the parameters
+    laid out for the stage axis in their own dtype, then cast up to the
+    accumulation dtype (their gradients accumulate and are reduced in it);
+    the batch over the data axis, the key replicated."""
     mesh, schedule = prepared.mesh, prepared.schedule
     specs = layout_specs(prepared, options)
     embed, stages, head = params
@@ -118,42 +110,52 @@ def _differentiate(
         jax.tree.map(lambda p, spec: place(p, mesh, spec), tree, tree_specs)
         for tree, tree_specs in ((embed, specs[0]), (head, specs[2]))
     )
-    embed, stages, head = jax.tree.map(
+    params = jax.tree.map(
         lambda p: p.astype(accum_dtype_for(p.dtype, options.accum_dtype)),
         (embed, stages, head),
     )
     batch = place(batch, mesh, PartitionSpec(options.layout.data_axis))
-    key = place(key, mesh, PartitionSpec())
+    return params, batch, place(key, mesh, PartitionSpec())
+
+
+def _differentiate(
+    prepared: Prepared,
+    options: AccumOptions,
+    bubble_fill: float,
+    params: tuple,
+    batch: Any,
+    key: Any,
+    loss_scale: jax.Array | None = None,
+) -> _Raw:
+    """GPipe: the pipelined loss sum and its gradient, autodiff through the
+    ``shard_map``'d scan (the gradients reduced once, at its boundary). With
+    ``loss_scale``, the loss sum is scaled before the backward pass and the
+    gradients unscaled after it, in float32."""
+    params, batch, key = _laid_out(prepared, options, params, batch, key)
     probes, probe_spec = make_probes(prepared, options, loss_scale)
     window = functools.partial(
         on_device,
         prepared.calls,
         options,
-        schedule,
+        prepared.schedule,
         prepared.shapes,
         prepared.fsdp_dims,
         bubble_fill,
     )
+    per_device = PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
     run = jax.shard_map(
         window,
-        mesh=mesh,
+        mesh=prepared.mesh,
         in_specs=(
-            specs,
+            layout_specs(prepared, options),
             probe_spec,
             PartitionSpec(options.layout.data_axis),
             PartitionSpec(),
         ),
-        out_specs=(
-            PartitionSpec(),
-            (
-                PartitionSpec(),
-                PartitionSpec(options.layout.stage_axis, options.layout.data_axis),
-            ),
-        ),
+        out_specs=(PartitionSpec(), (PartitionSpec(), per_device)),
         axis_names=set(options.layout.manual_axes),
     )
-
-    num_means = schedule.num_microbatches * prepared.shards
+    num_means = prepared.schedule.num_microbatches * prepared.shards
 
     def differentiated(p, q):
         total, (sums, per_micro) = run(p, q, batch, key)
@@ -166,9 +168,63 @@ def _differentiate(
     argnums = (0, 1) if probed(options) else 0
     (_, (sums, per_micro, share)), grads = jax.value_and_grad(
         differentiated, argnums, has_aux=True
-    )((embed, stages, head), probes)
+    )(params, probes)
     grads, probe_grads = grads if probed(options) else (grads, None)
     raw = _Raw(sums, per_micro, grads, unshared(probe_grads, share), share)
+    return raw if loss_scale is None else _unscaled(raw, loss_scale)
+
+
+def _one_f_one_b(
+    prepared: Prepared,
+    options: AccumOptions,
+    bubble_fill: float,
+    skip: bool,
+    params: tuple,
+    batch: Any,
+    key: Any,
+    loss_scale: jax.Array | None = None,
+) -> _Raw:
+    """1F1B: the window's sums and gradient from :func:`run_window` (each
+    micro-batch's backward seeded with its share, times ``loss_scale``;
+    the gradients unscaled after, in float32). A weighted window's gradient
+    is of the loss sum until here, where it is divided by the total weight,
+    as the core's window does."""
+    params, batch, key = _laid_out(prepared, options, params, batch, key)
+    window = functools.partial(
+        run_window,
+        prepared.calls,
+        options,
+        prepared.schedule,
+        prepared.shapes,
+        prepared.fsdp_dims,
+        bubble_fill,
+        skip,
+    )
+    per_device = PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
+    run = jax.shard_map(
+        window,
+        mesh=prepared.mesh,
+        in_specs=(
+            layout_specs(prepared, options),
+            PartitionSpec(options.layout.data_axis),
+            PartitionSpec(),
+            PartitionSpec(),
+        ),
+        out_specs=(
+            PartitionSpec(),
+            per_device,
+            layout_specs(prepared, options),
+            per_device,
+        ),
+        axis_names=set(options.layout.manual_axes),
+    )
+    sums, per_micro, grads, probes = run(params, batch, key, loss_scale)
+    num_means = prepared.schedule.num_microbatches * prepared.shards
+    dtype = jnp.promote_types(jnp.result_type(sums.loss), jnp.float32)
+    share = _window_share(options, num_means, sums.weight, dtype)
+    if options.reduction == "weighted":  # the loss sum's: divided by W
+        grads = jax.tree.map(lambda g: (g * share).astype(g.dtype), grads)
+    raw = _Raw(sums, per_micro, grads, probes if probed(options) else None, share)
     return raw if loss_scale is None else _unscaled(raw, loss_scale)
 
 
@@ -201,10 +257,13 @@ def make_pipeline(
     options: AccumOptions,
     mesh: Mesh | AbstractMesh | None,
     bubble_fill: float = 0.0,
+    skip_bubbles: bool = True,
 ) -> Callable[..., Any]:
     """The step of :func:`pipeline_value_and_grad` for ``options`` (whose
     ``pipeline`` is set); ``functions`` is ``(stage_fn, loss_fn, embed_fn)``;
-    bubbles compute on ``bubble_fill`` (tests poison it with NaN)."""
+    bubbles compute on ``bubble_fill`` (tests poison it with NaN); 1F1B's
+    bubble slots are skipped by ``lax.cond`` unless ``skip_bubbles`` is False
+    (computed on the fill and selected away: the benchmark's comparison)."""
     if mesh is not None and options.num_microbatches is not None:
         schedule_on(resolve_mesh(mesh, options), options)  # fail at construction
 
@@ -233,7 +292,12 @@ def make_pipeline(
         check_callable_mesh(mesh)
         call = with_microbatch_count(options, batch, resolve_mesh(mesh, options))
         prepared = prepare(functions, call, mesh, (params, batch, key))
-        raw = jax.jit(functools.partial(_differentiate, prepared, call, bubble_fill))(
+        differentiate = (
+            functools.partial(_one_f_one_b, prepared, call, bubble_fill, skip_bubbles)
+            if call.layout.schedule == "1f1b"
+            else functools.partial(_differentiate, prepared, call, bubble_fill)
+        )
+        raw = jax.jit(differentiate)(
             params, batch, key, None if scale is None else scale.loss_scale
         )
         value, aux, grads = _normalize(raw, prepared, call)
@@ -258,6 +322,7 @@ def pipeline_value_and_grad(
     stage_axis: str = "stage",
     data_axis: str | None = None,
     repeats: int = 1,
+    schedule: str = "gpipe",
     **options: Any,
 ) -> Callable[..., Any]:
     """Pipeline parallelism where the accumulation window is the pipeline.
@@ -272,7 +337,18 @@ def pipeline_value_and_grad(
     shardings. Bubbles compute on masked inputs whose results and gradients
     are selected away (``jnp.where``). In the loop the only collectives are
     ``collective-permute`` s to the next stage's device; gradients are
-    reduced once, after it. The schedule, the bubble, memory, FSDP and
+    reduced once, after it.
+
+    With ``schedule="1f1b"`` (``repeats=1``) the same result comes from one
+    ``lax.scan`` of ``M + 2 (S - 1)`` ticks that is itself the backward:
+    each tick gives every device a forward slot (micro-batch ``t - d`` on
+    device ``d``) and a backward slot (micro-batch ``t - 2 (S - 1) + d``),
+    each stage's backward the ``jax.vjp`` of ``stage_fn`` rebuilt from a
+    ring of ``min(2 S - 1, M)`` saved stage inputs (with ``remat``) or
+    residuals, so the activation memory does not grow with ``M``;
+    activations go forward and cotangents back to the neighbouring devices
+    only. A bubble's slots are skipped (``lax.cond``) and their results
+    never reach the gradients. The schedules, the bubble, memory, FSDP and
     keys: docs/guides/pipeline.md.
 
     Args:
@@ -290,6 +366,10 @@ def pipeline_value_and_grad(
       stage_axis: the mesh axis of size ``S`` the stages are placed on.
       data_axis: a mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular schedule).
+      schedule: ``"gpipe"`` (forward ticks, backward by autodiff; activation
+        memory linear in ``M``) or ``"1f1b"`` (one forward and one backward
+        per tick; activation memory flat in ``M``; ``repeats=1`` only,
+        interleaved 1F1B is not built).
       **options: the keyword options below, :func:`jaxaccum.value_and_grad`'s
         that a pipeline takes; its others are refused, each with why.
 
@@ -354,7 +434,7 @@ def pipeline_value_and_grad(
       >>> jax.tree.map(lambda a, b: bool(jnp.allclose(a, b)), (loss, grads), expected)
       (True, (True, True, True))
     """
-    layout = PipelineLayout(stage_axis, data_axis, repeats)
+    layout = PipelineLayout(stage_axis, data_axis, repeats, schedule)
     accum = AccumOptions.create(
         "pipeline_value_and_grad",
         num_microbatches,

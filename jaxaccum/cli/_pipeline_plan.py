@@ -101,7 +101,8 @@ def pipeline_plan_command(args: argparse.Namespace) -> jaxaccum.PipelinePlan:
     console.print(str(result), markup=False, soft_wrap=True)
     console.print(
         "Use jaxaccum.pipeline_value_and_grad(stage_fn, loss_fn, "
-        f"num_microbatches={result.num_microbatches}, remat={result.remat!r}, "
+        f"num_microbatches={result.num_microbatches}, "
+        f"schedule={result.schedule!r}, remat={result.remat!r}, "
         f"repeats={args.repeats}, data_axis={data_axis!r}, ...).",
         markup=False,
         soft_wrap=True,
