@@ -22,11 +22,12 @@ from jax import lax
 from jaxaccum._loss_scale import scale_loss
 from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._options import AccumOptions
-from jaxaccum._pipeline._calls import Calls, LossOut
+from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import (
     Device,
     Probes,
     Shapes,
+    Static,
     fill_like,
     make_device,
     microbatch_key,
@@ -399,17 +400,7 @@ def _initial(window: _Window, shapes: Shapes) -> _Carry:
 
 
 def run_window(
-    calls: Calls,
-    options: AccumOptions,
-    schedule: Schedule,
-    shapes: Shapes,
-    fsdp_dims: tuple,
-    bubble_fill: float,
-    skip: bool,
-    params: tuple,
-    batch: Any,
-    key: Any,
-    loss_scale: Any,
+    static: Static, skip: bool, params: tuple, batch: Any, key: Any, loss_scale: Any
 ):
     """One device's 1F1B window under ``shard_map``.
 
@@ -419,9 +410,8 @@ def run_window(
     sum), reduced, and the :class:`Probes` (``(1, 1, .)`` squared norms of
     the loss's own gradient pieces, zeros unless probed).
     """
-    device = make_device(
-        calls, options, schedule, shapes, fsdp_dims, bubble_fill, params, batch, key
-    )
+    options, schedule, shapes = static.options, static.schedule, static.shapes
+    device = make_device(static, params, batch, key)
     shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
     probed = options.report_stats or options.report_finite
     share_dtype = jnp.promote_types(shapes.loss.loss.dtype, jnp.float32)
@@ -440,7 +430,7 @@ def run_window(
         jnp.arange(schedule.num_ticks),
         unroll=options.unroll,
     )
-    return _results(carry, per_tick, schedule, fsdp_dims, options)
+    return _results(carry, per_tick, schedule, static.fsdp_dims, options)
 
 
 def _results(carry: _Carry, per_tick: tuple, schedule: Schedule, fsdp_dims, options):

@@ -98,21 +98,33 @@ def microbatch_key(device: Device, index: Any, layer: Any) -> Any:
     return jax.random.fold_in(device.keys[index], layer)
 
 
-def make_device(
-    calls: Calls,
-    options: AccumOptions,
-    schedule: Schedule,
-    shapes: Shapes,
-    fsdp_dims: tuple,
-    bubble_fill: float,
-    params: tuple,
-    batch: Any,
-    key: Any,
-) -> Device:
+class Static(NamedTuple):
+    """What every device's window is built from, fixed when the step is
+    traced, on either schedule.
+
+    Attributes:
+      calls: the user's functions as the loop calls them.
+      options: the step's options.
+      schedule: the window's ticks.
+      shapes: one micro-batch's activation and loss shapes.
+      fsdp_dims: per parameter leaf, its FSDP dimension or -1.
+      bubble_fill: what bubbles compute on (tests poison it with NaN).
+    """
+
+    calls: Calls
+    options: AccumOptions
+    schedule: Schedule
+    shapes: Shapes
+    fsdp_dims: tuple
+    bubble_fill: float
+
+
+def make_device(static: Static, params: tuple, batch: Any, key: Any) -> Device:
     """This device's :class:`Device` under ``shard_map``, either schedule:
     its ``(embed, stages, head)`` (its stages' ``(R, ...)``; FSDP leaves
     gathered once, before the loop, their gradients reduce-scattered once,
     after it), its strided micro-batches and their keys, the fills."""
+    calls, options, schedule, shapes, fsdp_dims, bubble_fill = static
     axes = options.layout.manual_axes
     embed, stages, head = params
     stages = jax.tree.map(lambda p: p[:, 0], stages)  # (R, ...): this device's

@@ -12,18 +12,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._noise_scale import unscaled_squared_norm
-from jaxaccum._options import AccumOptions
-from jaxaccum._pipeline._calls import Calls, LossOut
+from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import (
     Device,
     Probes,
-    Shapes,
+    Static,
     make_device,
     microbatch_key,
     select,
     varying,
 )
-from jaxaccum._pipeline._schedule import Schedule
 
 
 @jax.custom_vjp
@@ -181,16 +179,7 @@ def _run_ticks(device: Device, entering: Any, probes: jax.Array | None) -> Any:
 
 
 def on_device(
-    calls: Calls,
-    options: AccumOptions,
-    schedule: Schedule,
-    shapes: Shapes,
-    fsdp_dims: tuple,
-    bubble_fill: float,
-    params: tuple,
-    probes: Probes | None,
-    batch: Any,
-    key: Any,
+    static: Static, params: tuple, probes: Probes | None, batch: Any, key: Any
 ) -> tuple[jax.Array, tuple[LossOut, LossOut]]:
     """One device's window under ``shard_map``.
 
@@ -198,10 +187,8 @@ def on_device(
     over micro-batches and devices and, per micro-batch, the loss and weight
     (``(1, 1, M)`` per device, for the stats).
     """
-    axes = options.layout.manual_axes
-    device = make_device(
-        calls, options, schedule, shapes, fsdp_dims, bubble_fill, params, batch, key
-    )
+    axes = static.options.layout.manual_axes
+    device = make_device(static, params, batch, key)
     if probes is not None:
         probes = jax.tree.map(lambda p: p.reshape(-1), probes)
     entering = _embedded(device, None if probes is None else probes.embed)

@@ -224,10 +224,7 @@ def plan_pipeline(
         refused=PIPELINE_REFUSED,
     )
     remats = (base.remat,) if given_remat else (False, True)
-    schedules = (
-        (schedule,) if schedule else ("gpipe", "1f1b")[: 2 if repeats == 1 else 1]
-    )
-    configs = [(kind, remat) for kind in schedules for remat in remats]
+    configs = _configs(remats, schedule, repeats)
     device_mesh = resolve_mesh(mesh, base)
     num_stages = device_mesh.shape[stage_axis]
     candidates = _check_candidates(candidates, num_stages, repeats)
@@ -254,16 +251,7 @@ def plan_pipeline(
 
     chosen, ordered = _search(measure, efficiency_of, candidates, configs)
     if chosen is None:
-        smallest = min(ordered, key=lambda row: row.total_bytes)
-        raise ValueError(
-            f"No window fits memory_budget={format_bytes(budget)} ({budget} "
-            f"bytes): the smallest footprint compiled is "
-            f"{format_bytes(smallest.total_bytes)} at num_microbatches="
-            f"{smallest.num_microbatches}, schedule={smallest.schedule!r}, "
-            f"remat={_name(smallest.remat)}. Raise "
-            "the budget, or use a smaller micro-batch or model.\n"
-            + _table(ordered, None)
-        )
+        raise _nothing_fits(ordered, budget)
     return PipelinePlan(
         num_microbatches=chosen.num_microbatches,
         schedule=chosen.schedule,
@@ -277,6 +265,30 @@ def plan_pipeline(
         memory_budget=budget,
         footprint_bytes=chosen.total_bytes,
         rows=ordered,
+    )
+
+
+def _configs(remats: tuple, schedule: str | None, repeats: int) -> list[tuple]:
+    """The ``(schedule, remat)`` pairs to plan, in the order searched: the
+    given schedule, else GPipe then 1F1B (GPipe only with ``repeats > 1``),
+    each with every one of ``remats``."""
+    if schedule:
+        schedules: tuple[str, ...] = (schedule,)
+    else:
+        schedules = ("gpipe", "1f1b") if repeats == 1 else ("gpipe",)
+    return [(kind, remat) for kind in schedules for remat in remats]
+
+
+def _nothing_fits(ordered: tuple[PipelinePlanRow, ...], budget: int) -> ValueError:
+    """The error when no compiled configuration fits: the smallest, the table."""
+    smallest = min(ordered, key=lambda row: row.total_bytes)
+    return ValueError(
+        f"No window fits memory_budget={format_bytes(budget)} ({budget} "
+        f"bytes): the smallest footprint compiled is "
+        f"{format_bytes(smallest.total_bytes)} at num_microbatches="
+        f"{smallest.num_microbatches}, schedule={smallest.schedule!r}, "
+        f"remat={_name(smallest.remat)}. Raise "
+        "the budget, or use a smaller micro-batch or model.\n" + _table(ordered, None)
     )
 
 

@@ -25,7 +25,7 @@ from jaxaccum._options import (
 )
 from jaxaccum._pipeline._1f1b import run_window
 from jaxaccum._pipeline._calls import LossOut, takes_key
-from jaxaccum._pipeline._device import Probes
+from jaxaccum._pipeline._device import Probes, Static
 from jaxaccum._pipeline._layout import (
     Prepared,
     check_callable_mesh,
@@ -118,6 +118,30 @@ def _laid_out(prepared: Prepared, options: AccumOptions, params, batch, key):
     return params, batch, place(key, mesh, PartitionSpec())
 
 
+def _static(prepared: Prepared, options: AccumOptions, bubble_fill: float) -> Static:
+    """What either schedule's per-device window is built from."""
+    return Static(
+        prepared.calls,
+        options,
+        prepared.schedule,
+        prepared.shapes,
+        prepared.fsdp_dims,
+        bubble_fill,
+    )
+
+
+def _device_spec(options: AccumOptions) -> PartitionSpec:
+    """A per-device output's spec: one entry per (stage, data shard)."""
+    return PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
+
+
+def _per_device(prepared: Prepared, options: AccumOptions, window, **specs: Any):
+    """``window`` under ``shard_map`` on the step's mesh, manual over the
+    pipeline's axes (``specs``: its ``in_specs`` and ``out_specs``)."""
+    axes = set(options.layout.manual_axes)
+    return jax.shard_map(window, mesh=prepared.mesh, axis_names=axes, **specs)
+
+
 def _differentiate(
     prepared: Prepared,
     options: AccumOptions,
@@ -133,27 +157,18 @@ def _differentiate(
     gradients unscaled after it, in float32."""
     params, batch, key = _laid_out(prepared, options, params, batch, key)
     probes, probe_spec = make_probes(prepared, options, loss_scale)
-    window = functools.partial(
-        on_device,
-        prepared.calls,
+    window = functools.partial(on_device, _static(prepared, options, bubble_fill))
+    run = _per_device(
+        prepared,
         options,
-        prepared.schedule,
-        prepared.shapes,
-        prepared.fsdp_dims,
-        bubble_fill,
-    )
-    per_device = PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
-    run = jax.shard_map(
         window,
-        mesh=prepared.mesh,
         in_specs=(
             layout_specs(prepared, options),
             probe_spec,
             PartitionSpec(options.layout.data_axis),
             PartitionSpec(),
         ),
-        out_specs=(PartitionSpec(), (PartitionSpec(), per_device)),
-        axis_names=set(options.layout.manual_axes),
+        out_specs=(PartitionSpec(), (PartitionSpec(), _device_spec(options))),
     )
     num_means = prepared.schedule.num_microbatches * prepared.shards
 
@@ -190,20 +205,11 @@ def _one_f_one_b(
     is of the loss sum until here, where it is divided by the total weight,
     as the core's window does."""
     params, batch, key = _laid_out(prepared, options, params, batch, key)
-    window = functools.partial(
-        run_window,
-        prepared.calls,
+    static = _static(prepared, options, bubble_fill)
+    run = _per_device(
+        prepared,
         options,
-        prepared.schedule,
-        prepared.shapes,
-        prepared.fsdp_dims,
-        bubble_fill,
-        skip,
-    )
-    per_device = PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
-    run = jax.shard_map(
-        window,
-        mesh=prepared.mesh,
+        functools.partial(run_window, static, skip),
         in_specs=(
             layout_specs(prepared, options),
             PartitionSpec(options.layout.data_axis),
@@ -212,11 +218,10 @@ def _one_f_one_b(
         ),
         out_specs=(
             PartitionSpec(),
-            per_device,
+            _device_spec(options),
             layout_specs(prepared, options),
-            per_device,
+            _device_spec(options),
         ),
-        axis_names=set(options.layout.manual_axes),
     )
     sums, per_micro, grads, probes = run(params, batch, key, loss_scale)
     num_means = prepared.schedule.num_microbatches * prepared.shards
