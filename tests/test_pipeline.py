@@ -791,9 +791,28 @@ def test_has_aux_with_a_bare_loss_says_so():
     assert "With has_aux=True, loss_fn must return a pair (loss, aux)" in message
 
 
-# The pipeline's options, drawn (issue 45): the dtypes of weights, aux and
-# activations, accum_dtype, unroll, mesh forms, params containers, reports
-# and the loss scale, against the sequential model on the whole batch.
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(
+    "loss",
+    [lambda h, x, b: jnp.sum(x @ h["w"] > 0), lambda h, x, b: jnp.any(x > 0)],
+    ids=["count", "bool"],
+)
+def test_an_integer_or_bool_loss_is_refused_naming_its_dtype(schedule, loss):
+    """Issue 55, case 1: a count or bool loss came back divided by M in
+    integer arithmetic with every gradient exactly 0 (training never moved);
+    jax.value_and_grad refuses such a loss, and so does the pipeline."""
+    step = pipeline_value_and_grad(
+        dense, loss, NUM, mesh=MESH, embed_fn=embed, schedule=schedule
+    )
+    message = call_error(step)
+    dtype = jax.eval_shape(loss, {"w": jnp.ones(16)}, jnp.ones((4, 16)), None).dtype
+    assert f"loss_fn must return a float loss, got dtype {dtype}" in message, message
+
+
+# The pipeline's options, drawn (issue 45): the dtypes of the loss (issue 55),
+# weights, aux and activations, accum_dtype, unroll, mesh forms, params
+# containers, reports and the loss scale, against the sequential model on the
+# whole batch; an integer or bool loss is refused, naming its dtype.
 
 PIPELINE_CHOICES = {
     "reduction": ["mean", "sum", "weighted"],
@@ -808,14 +827,23 @@ PIPELINE_CHOICES = {
     "scale_exponent": [None, 0, 64, 80],
     "repeats": [1, 2],
     "schedule": ["gpipe", "1f1b"],
+    "loss_dtype": [jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_],
 }
 PIPELINE_OPTIONS = {name: st.sampled_from(v) for name, v in PIPELINE_CHOICES.items()}
 
 
-def drawn_loss(reduction, weight_dtype, aux_dtype):
+# A bfloat16 loss is rounded to it (unit roundoff 2**-9) once per micro-batch
+# and once as the window's value, against once for the whole batch; each
+# gradient is the float32 one times the loss's cotangent, rounded to bfloat16
+# once on either side: a relative error of at most 3 * 2**-9 < 2**-7 on top of
+# float32's.
+LOSS_RTOL = {jnp.dtype(jnp.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0**-7}
+
+
+def drawn_loss(reduction, weight_dtype, aux_dtype, loss_dtype=jnp.float32):
     """A loss with token counts of ~10k a row (a window of 160k: float16
     overflows), an aux past float32's integers (int32) and a bool mask
-    carried in the activation."""
+    carried in the activation; its loss (loss sum) in ``loss_dtype``."""
 
     def loss(head, micro, _):
         rows = jnp.sum((micro["x"] @ head["w"][:4] - micro["y"]) ** 2, -1)
@@ -823,10 +851,11 @@ def drawn_loss(reduction, weight_dtype, aux_dtype):
         count = micro["count"].astype(weight_dtype)
         big = jnp.sum(micro["big"]).astype(aux_dtype)
         if reduction == "weighted":
-            return (jnp.sum(count.astype(jnp.float32) * rows), jnp.sum(count)), big
+            total = jnp.sum(count.astype(jnp.float32) * rows)
+            return (total.astype(loss_dtype), jnp.sum(count)), big
         if reduction == "sum":
-            return jnp.sum(rows), big
-        return jnp.mean(rows), big
+            return jnp.sum(rows).astype(loss_dtype), big
+        return jnp.mean(rows).astype(loss_dtype), big
 
     return loss
 
@@ -854,6 +883,11 @@ EXAMPLE = {  # every option at its first value, then each issue-45 case
         "scale_exponent": 64,
     }
 )
+@example(**{**EXAMPLE, "loss_dtype": jnp.int32})  # issue 55, case 1
+@example(**{**EXAMPLE, "loss_dtype": jnp.bool_, "schedule": "1f1b"})
+@example(
+    **{**EXAMPLE, "loss_dtype": jnp.bfloat16, "reduction": "weighted", "repeats": 2}
+)
 def test_pipeline_options_drawn_against_the_sequential_model(
     reduction,
     weight_dtype,
@@ -867,12 +901,13 @@ def test_pipeline_options_drawn_against_the_sequential_model(
     scale_exponent,
     repeats,
     schedule,
+    loss_dtype,
 ):
     assume(schedule == "gpipe" or repeats == 1)  # 1F1B: R = 1 (refused else)
     params = make_params(repeats)
     batch = counted_batch(weight_dtype)
     batch = {**batch, "keep": jnp.arange(4 * NUM) % 3 != 0}
-    loss = drawn_loss(reduction, weight_dtype, aux_dtype)
+    loss = drawn_loss(reduction, weight_dtype, aux_dtype, loss_dtype)
     options = {"report_stats": True} if report == "report_stats" else {}
     options |= {"report_finite": True} if report == "report_finite" else {}
     options |= {"loss_scale": True} if scale_exponent is not None else {}
@@ -900,6 +935,11 @@ def test_pipeline_options_drawn_against_the_sequential_model(
         else {"loss_scale": jaxaccum.dynamic_loss_scale(2.0**scale_exponent)}
     )
     with jax.set_mesh(MESH) if abstract_mesh else contextlib.nullcontext():
+        if not jnp.issubdtype(loss_dtype, jnp.floating):
+            refused = f"must return a float loss, got dtype {jnp.dtype(loss_dtype)}"
+            with pytest.raises(TypeError, match=refused):
+                jax.jit(step)(given_params, batch, **call)
+            return
         out = jax.jit(step)(given_params, batch, **call)
     report_out = None
     if scale_exponent is not None:
@@ -924,8 +964,10 @@ def test_pipeline_options_drawn_against_the_sequential_model(
     (expected, _), expected_grads = jax.value_and_grad(whole, (0, 1), has_aux=True)(
         params[1], params[2]
     )
+    assert value.dtype == loss_dtype, value.dtype
+    rtol = RTOL + LOSS_RTOL[jnp.dtype(loss_dtype)]
     chex.assert_trees_all_close(
-        (value, tuple(grads)[1:]), (expected, expected_grads), rtol=RTOL, atol=RTOL
+        (value, tuple(grads)[1:]), (expected, expected_grads), rtol=rtol, atol=RTOL
     )
     pieces = [int(jnp.sum(batch["big"][k::NUM])) for k in range(NUM)]
     if aux_reduction == "sum":

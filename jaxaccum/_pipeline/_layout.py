@@ -174,6 +174,13 @@ def _shapes(
             f"loss_fn must return a scalar loss for its micro-batch, got shape "
             f"{jnp.shape(own.loss)}."
         )
+    if not jnp.issubdtype(own.loss.dtype, jnp.floating):
+        raise TypeError(
+            f"loss_fn must return a float loss, got dtype {own.loss.dtype}: the "
+            "gradient of an integer or bool loss is zero (jax.grad refuses one). "
+            "Return a differentiable float loss; a count such as jnp.sum(y > 0) "
+            "belongs in aux (has_aux=True)."
+        )
     return Shapes(x, jax.eval_shape(calls.loss, head, x, micro, key), own)
 
 
