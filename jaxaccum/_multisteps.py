@@ -557,10 +557,12 @@ class MultiSteps:
           A tree like ``current``.
 
         Raises:
-          ValueError: for a state whose ``init`` got no ``metadata``.
+          ValueError: for a state whose ``init`` got no ``metadata``, or a
+            ``current`` not shaped like it.
         """
         if _holds_no_metadata(state):
             raise ValueError(_NO_METADATA)
+        _check_layout("MultiSteps.metadata's current", current, state.metadata)
         updated = self.has_updated(state)
         return jax.tree.map(
             lambda new, old: _metadata.as_dtype(
@@ -690,13 +692,19 @@ def _check_metadata(state: MultiStepsState, metadata: Any) -> Any:
         return None
     if _holds_no_metadata(state):
         raise ValueError(_NO_METADATA)
+    _check_layout("update's metadata", metadata, held)
+    return metadata
+
+
+def _check_layout(name: str, metadata: Any, held: Any) -> None:
+    """That ``metadata`` (``name``) has the leaves and shapes ``init`` got."""
     given, expected = _layout(metadata), _layout(held)
     if given != expected:
         raise ValueError(
-            "update's metadata is not shaped like the metadata init got: "
-            f"{given} against {expected}. Pass the same collection every call."
+            f"{name} is not shaped like the metadata init got: {given} against "
+            f"{expected}. Pass the same collection every call "
+            "(variables['_overwrite_with_gradient'])."
         )
-    return metadata
 
 
 def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:

@@ -310,8 +310,17 @@ def test_multisteps_metadata_is_checked():
         tx.metadata(plain, metadata)
     with pytest.raises(ValueError, match="holds FP8 metadata"):
         tx.update(params, held, params)
-    with pytest.raises(ValueError, match="not shaped like"):
+    with pytest.raises(ValueError, match="update's metadata is not shaped like"):
         tx.update(params, held, params, metadata={"amax": jnp.zeros(4)})
+    # Issue 55, case 3: the whole variables instead of their metadata failed
+    # in jax.tree.map with a pytree-structure error.
+    variables = {"params": params, "_overwrite_with_gradient": metadata}
+    with pytest.raises(ValueError, match="current is not shaped like") as info:
+        tx.metadata(held, variables)
+    assert "['params']['w']" in str(info.value), info.value
+    with pytest.raises(ValueError, match="metadata's current is not") as info:
+        tx.metadata(held, {"amax": jnp.zeros(4)})
+    assert "(4,)" in str(info.value) and "(3,)" in str(info.value), info.value
 
 
 def test_multisteps_metadata_skips_what_the_window_skips():
