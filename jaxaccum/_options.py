@@ -7,6 +7,7 @@ and where a front end needs a variant it derives it with
 ``dataclasses.replace``.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -187,6 +188,28 @@ def check_count(name: str, value: Any) -> None:
         value,
         "It fixes the compiled loop's length, so it cannot be a traced or float value.",
     )
+
+
+def candidate_counts(candidates: Any, each: str) -> list[int]:
+    """A planner's ``candidates`` as a list, each a count (:func:`check_count`,
+    named ``each``); a value that is not an iterable of them is refused, saying
+    what it got."""
+    values = None
+    if not isinstance(candidates, str | bytes):
+        with contextlib.suppress(TypeError):  # not iterable: an int, a 0-d array
+            values = list(candidates)
+    if values is None:
+        one = ""
+        if type(candidates) is int or isinstance(candidates, np.integer):
+            one = f" (for one: candidates=[{candidates!r}])"
+        raise TypeError(
+            f"candidates must be an iterable of positive ints, e.g. [2, 4, 8], "
+            f"or None, got {candidates!r} of type {type(candidates).__name__}"
+            f"{one}."
+        )
+    for num in values:
+        check_count(each, num)
+    return values
 
 
 # The aux reductions of a pipeline: each micro-batch's aux is computed on the

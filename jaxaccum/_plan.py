@@ -48,7 +48,7 @@ from jaxaccum._options import (
     SHARD_OPTIONS,
     AccumOptions,
     argnums_tuple,
-    check_count,
+    candidate_counts,
 )
 from jaxaccum._shard import shard_value_and_grad
 from jaxaccum._value_and_grad import make_accumulated
@@ -505,14 +505,13 @@ def _check_candidates(candidates: Iterable[int] | None, batch_size: int) -> list
     """Returns the candidates sorted and deduplicated, each dividing the batch."""
     if candidates is None:
         return _split.divisors(batch_size)
-    candidates = list(candidates)
+    candidates = candidate_counts(candidates, "each candidate number of micro-batches")
     if not candidates:
         raise ValueError(
             "candidates is empty; give at least one number of micro-batches, or "
             f"None for every divisor of the batch size {batch_size}."
         )
     for num in candidates:
-        check_count("each candidate number of micro-batches", num)
         if batch_size % num:
             raise ValueError(
                 f"Candidate num_microbatches={num} does not divide the batch "

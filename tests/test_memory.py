@@ -196,6 +196,10 @@ def test_plan_rejects_bad_arguments():
         jaxaccum.plan(mlp_loss, params, batch, memory_budget="1GiB", candidates=[5])
     with pytest.raises(ValueError, match="candidates is empty"):
         jaxaccum.plan(mlp_loss, params, batch, memory_budget="1GiB", candidates=[])
+    # Found beside plan_pipeline's in issue 55 (case 5): "'int' object is not
+    # iterable".
+    with pytest.raises(TypeError, match=r"candidates must be an iterable.*got 4 of"):
+        jaxaccum.plan(mlp_loss, params, batch, memory_budget="1GiB", candidates=4)
     with pytest.raises(TypeError, match="batch_argnums"):
         jaxaccum.plan(mlp_loss, params, memory_budget="1GiB")
     with pytest.raises(TypeError, match="plan does not take masked=True"):

@@ -14,6 +14,7 @@ one stage, and the errors bad input gets.
 import contextlib
 import functools
 import itertools
+import unittest.mock
 from typing import Any, NamedTuple
 
 import chex
@@ -1045,6 +1046,109 @@ def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
     assert key in fitting and plan.footprint_bytes == fitting[key][0]
     ties = {k[0] for k, (_, e) in fitting.items() if e == best}
     assert plan.schedule == ("gpipe" if "gpipe" in ties else "1f1b"), (plan, ties)
+
+
+# Malformed arguments to plan_pipeline (issue 55's cases 4 to 6 first): each
+# is refused with jaxaccum's message naming the argument, before anything is
+# compiled, whatever the valid options beside it.
+MALFORMED = {
+    "loss_scale": (
+        {"loss_scale": True},
+        "plan_pipeline does not take loss_scale: a loss scale changes neither",
+    ),
+    "candidates-int": (
+        {"candidates": 4},
+        r"candidates must be an iterable of positive ints.*got 4 of type int "
+        r"\(for one: candidates=\[4\]\)",
+    ),
+    "microbatch-scalar": (
+        {"microbatch": {"x": jnp.ones(()), "y": jnp.ones(())}},
+        r"microbatch\['x'\] is a scalar \(shape \(\)\)",
+    ),
+    "candidates-str": ({"candidates": "48"}, "got '48' of type str"),
+    "candidates-zero": (
+        {"candidates": [2, 0]},
+        "each candidate num_microbatches must be >= 1, got 0",
+    ),
+    "candidates-float": (
+        {"candidates": [2.5]},
+        "each candidate num_microbatches must be a positive Python int, got 2.5",
+    ),
+    "microbatch-rows": (
+        {"microbatch": {"x": jnp.ones((4, 4)), "y": jnp.ones(3)}},
+        r"microbatch\['x'\]: 4, microbatch\['y'\]: 3",
+    ),
+    "microbatch-empty": (
+        {"microbatch": {"x": jnp.ones((0, 4)), "y": jnp.ones(0)}},
+        r"microbatch\['x'\] has 0 rows",
+    ),
+    "params-pair": (
+        {"params": "pair"},
+        r"params = \(embed_params, stage_params, head_params\).*tuple of length 2",
+    ),
+    "num_microbatches": ({"num_microbatches": 4}, "do not pass num_microbatches"),
+    "masked": ({"masked": True}, "plan_pipeline does not take masked"),
+    "remat": ({"remat": "yes"}, "remat must be True, False"),
+    "schedule": ({"schedule": "1f2b"}, r"schedule must be one of \('gpipe', '1f1b'\)"),
+    "memory_budget": ({"memory_budget": "lots"}, "Cannot read memory_budget='lots'"),
+    "reduction": ({"reduction": "avg"}, "reduction must be one of"),
+}
+
+
+def no_compile(*_, **__):
+    raise AssertionError("plan_pipeline compiled before refusing its arguments")
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(
+    malformed=st.sampled_from(list(MALFORMED)),
+    repeats=st.sampled_from([1, 2]),
+    schedule=st.sampled_from([None, "gpipe", "1f1b"]),
+    remat=st.sampled_from([None, False, True]),
+    abstract=st.booleans(),
+)
+@example(malformed="loss_scale", repeats=1, schedule=None, remat=None, abstract=False)
+@example(
+    malformed="candidates-int", repeats=2, schedule=None, remat=None, abstract=False
+)
+@example(
+    malformed="microbatch-scalar", repeats=1, schedule="1f1b", remat=True, abstract=True
+)
+def test_plan_pipeline_refuses_drawn_malformed_arguments_before_compiling(
+    malformed, repeats, schedule, remat, abstract
+):
+    """Issue 55: ``candidates=4`` failed with "'int' object is not
+    iterable", a micro-batch of scalars with an IndexError, ``loss_scale``
+    with a message about calling the step; each drawn malformed argument,
+    beside drawn valid options (given as arrays or shapes), is refused with
+    its own message before anything compiles."""
+    assume(repeats == 1 or schedule != "1f1b")  # 1F1B: R = 1 (refused else)
+    params, micro = make_params(repeats), make_batch(64)
+    bad, message = MALFORMED[malformed]
+    arguments = {
+        "params": params,
+        "microbatch": micro,
+        "mesh": MESH,
+        "embed_fn": embed,
+        "repeats": repeats,
+        "memory_budget": "1GiB",
+        "candidates": [2, 4],
+    }
+    arguments |= {"schedule": schedule} if schedule else {}
+    arguments |= {"remat": remat} if remat is not None else {}
+    arguments |= bad
+    if bad.get("params") == "pair":
+        arguments["params"] = params[:2]
+    if abstract:
+        arguments["params"], arguments["microbatch"] = jax.eval_shape(
+            lambda tree: tree, (arguments["params"], arguments["microbatch"])
+        )
+    with (
+        unittest.mock.patch("jaxaccum._pipeline._plan._recompute", no_compile),
+        unittest.mock.patch("jaxaccum._pipeline._plan._measure", no_compile),
+        pytest.raises((TypeError, ValueError), match=message),
+    ):
+        jaxaccum.plan_pipeline(dense, mse, **arguments)
 
 
 def test_plan_pipeline_takes_1f1b_where_only_its_window_fits():

@@ -21,14 +21,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxaccum import _split
 from jaxaccum._options import (
+    NO_LOSS_SCALE,
     PIPELINE_REFUSED,
     AccumOptions,
     PipelineLayout,
-    check_count,
+    candidate_counts,
 )
 from jaxaccum._pipeline._calls import takes_key
-from jaxaccum._pipeline._layout import prepare, resolve_mesh
+from jaxaccum._pipeline._layout import prepare, resolve_mesh, unpack_params
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._step import make_pipeline
 from jaxaccum._plan import format_bytes, parse_memory_budget, total_bytes
@@ -194,7 +196,8 @@ def plan_pipeline(
       key: a PRNG key, if the functions take one.
       **options: the other options of
         :func:`jaxaccum.pipeline_value_and_grad` (``reduction``,
-        ``accum_dtype``, ...); ``remat=`` plans that one only.
+        ``accum_dtype``, ...); ``remat=`` plans that one only. Not
+        ``loss_scale``: a loss scale changes neither memory nor the gradient.
 
     Returns:
       A :class:`PipelinePlan`: ``num_microbatches``, ``schedule`` and
@@ -203,8 +206,11 @@ def plan_pipeline(
 
     Raises:
       ValueError: if nothing fits (with the smallest footprint compiled and
-        the table), a candidate is not a count, or the budget is invalid.
-      TypeError: if ``num_microbatches`` or ``microbatch_size`` is passed.
+        the table), a candidate is not a count, a leaf of ``microbatch`` has
+        no leading axis of rows, or the budget is invalid.
+      TypeError: if ``num_microbatches``, ``microbatch_size`` or
+        ``loss_scale`` is passed, ``candidates`` is not an iterable, or
+        ``params`` is not a sequence of 3.
     """
     for name in ("num_microbatches", "microbatch_size"):
         if name in options:
@@ -221,13 +227,14 @@ def plan_pipeline(
         1,
         options,
         fixed={"pipeline": layout},
-        refused=PIPELINE_REFUSED,
+        refused={**PIPELINE_REFUSED, "loss_scale": NO_LOSS_SCALE},
     )
     remats = (base.remat,) if given_remat else (False, True)
     configs = _configs(remats, schedule, repeats)
     device_mesh = resolve_mesh(mesh, base)
     num_stages = device_mesh.shape[stage_axis]
     candidates = _check_candidates(candidates, num_stages, repeats)
+    params, rows = unpack_params(params), _rows(microbatch)  # before any compile
     functions = (stage_fn, loss_fn, embed_fn)
     first = dataclasses.replace(base, num_microbatches=candidates[0])
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
@@ -256,7 +263,7 @@ def plan_pipeline(
         num_microbatches=chosen.num_microbatches,
         schedule=chosen.schedule,
         remat=chosen.remat,
-        microbatch_rows=_rows(microbatch),
+        microbatch_rows=rows,
         batch_size=chosen.batch_size,
         bubble=chosen.bubble,
         efficiency=chosen.efficiency,
@@ -345,9 +352,7 @@ def _check_candidates(candidates: Any, num_stages: int, repeats: int) -> list[in
     """The candidate ``M``, sorted and deduplicated; default ``S 2**k``."""
     if candidates is None:
         return [num_stages * 2**k for k in range(6)]
-    candidates = list(candidates)
-    for num in candidates:
-        check_count("each candidate num_microbatches", num)
+    candidates = candidate_counts(candidates, "each candidate num_microbatches")
     if not candidates:
         raise ValueError("candidates is empty; give at least one M, or None.")
     low = min(candidates)
@@ -359,14 +364,10 @@ def _check_candidates(candidates: Any, num_stages: int, repeats: int) -> list[in
     return sorted(set(candidates))
 
 
-def _rows(tree: Any) -> int:
-    leaves = jax.tree.leaves(tree)
-    if not leaves or not jnp.shape(leaves[0]):
-        raise ValueError(
-            "microbatch must hold arrays with a leading axis of rows (one "
-            "micro-batch of the whole mesh)."
-        )
-    return jnp.shape(leaves[0])[0]
+def _rows(microbatch: Any) -> int:
+    """Rows of ``microbatch``, checked as the core checks a batch: every leaf
+    has a leading axis of rows, the same in each."""
+    return _split.batch_size_of([("microbatch", microbatch)])
 
 
 def _window_batch(microbatch: Any, num: int, mesh: Any, data_axis: str | None) -> Any:
