@@ -1,22 +1,25 @@
 """The jaxaccum command in tiny modes: exit 0, output files written; errors in
 one line."""
 
+import argparse
 import importlib
 import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import chex
 import cli_losses
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import jaxaccum
 from jaxaccum import cli
-from jaxaccum.cli import _bench_command, _demo, _plan_command
+from jaxaccum.cli import _bench_command, _demo, _main, _plan_command
 
 TINY_MODEL = ["--batch-size", "256", "--features", "16", "--width", "32"]
 
@@ -689,3 +692,98 @@ def test_plan_command_pipelined_errors_are_one_line(capsys, argv, message):
     assert code == 2, (code, out, err)
     assert err.startswith("jaxaccum plan: error: ") and err.count("\n") == 1, err
     assert message in err, err
+
+
+# Every flag of plan crossed with --stages (issue 55, case 2: LOSS's flags,
+# --params and --batch exited 0 and planned the demo MLP): each is refused
+# before any work, or changes what plan_pipeline is asked. A value for each,
+# not its default (nor PIPELINED's).
+REFUSED_WITH_STAGES = {
+    "LOSS": ["cli_losses:loss_with_aux"],
+    "--params": ["cli_losses:params"],
+    "--batch": ["x=float32[8,16]"],
+    "--has-aux": [],
+    "--reduction": ["weighted"],
+    "--aux-reduction": ["sum"],
+    "--batch-argnums": ["1,2"],
+    "--key-argnums": ["2"],
+    "--optimizer": ["sgd"],
+    "--learning-rate": ["0.1"],
+    "--batch-size": ["64"],
+}
+HONOURED_WITH_STAGES = {
+    "--features": ["8"],
+    "--width": ["16"],
+    "--seed": ["1"],
+    "--memory-budget": ["2MiB"],
+    "--candidates": ["2", "4"],
+    "--remat": [],
+    "--repeats": ["2"],
+    "--microbatch-rows": ["4"],
+}
+# Honoured, and checked by the tests named: more devices than this process
+# has; the traceback of an error.
+CHECKED_ELSEWHERE = {
+    "--stages": "test_plan_command_plans_the_pipelined_demo_on_8_devices",
+    "--data-shards": "test_plan_command_plans_the_pipelined_demo_on_8_devices",
+    "--debug": "test_plan_command_debug_shows_the_traceback",
+}
+
+
+def test_every_plan_flag_is_crossed_with_stages():
+    """A flag added to plan must say what it does with --stages."""
+    (commands,) = (
+        action
+        for action in _main._parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    flags = {
+        action.option_strings[-1] if action.option_strings else action.metavar
+        for action in commands.choices["plan"]._actions
+    } - {"--help"}
+    crossed = {**REFUSED_WITH_STAGES, **HONOURED_WITH_STAGES, **CHECKED_ELSEWHERE}
+    assert flags == set(crossed), flags ^ set(crossed)
+
+
+def flag_argv(flag: str, values: list[str]) -> list[str]:
+    return values if flag == "LOSS" else [flag, *values]
+
+
+@pytest.mark.parametrize("flag", REFUSED_WITH_STAGES)
+def test_flags_a_pipelined_plan_does_not_use_are_refused_with_stages(
+    capsys, commands_run, flag
+):
+    argv = flag_argv(flag, REFUSED_WITH_STAGES[flag])
+    code, out, err = run_cli(capsys, "plan", *argv, "--stages", "1", *PIPELINED)
+    assert (code, out, commands_run) == (2, "", []), err
+    assert err.startswith(f"jaxaccum plan: error: {flag}: not with --stages"), err
+    assert err.count("\n") == 1, err
+
+
+def planned_call(monkeypatch, *argv: str) -> Any:
+    """What ``jaxaccum plan --stages 1 *argv`` asks of plan_pipeline: the
+    shapes and values of its params and micro-batch, and its options but the
+    mesh and the functions (made anew each call)."""
+    calls = []
+
+    def record(stage_fn, loss_fn, params, microbatch, **options):
+        calls.append((params, microbatch, options))
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(jaxaccum, "plan_pipeline", record)
+    assert cli.main(["plan", "--stages", "1", *PIPELINED, *argv]) == 2
+    ((params, microbatch, options),) = calls
+    leaves = jax.tree.leaves((params, microbatch))
+    return (
+        [(leaf.shape, str(leaf.dtype)) for leaf in leaves],
+        [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(params)],
+        {k: v for k, v in options.items() if k not in ("mesh", "embed_fn")},
+    )
+
+
+@pytest.mark.parametrize("flag", HONOURED_WITH_STAGES)
+def test_flags_a_pipelined_plan_uses_change_what_it_plans(capsys, monkeypatch, flag):
+    default = planned_call(monkeypatch)
+    given = planned_call(monkeypatch, *flag_argv(flag, HONOURED_WITH_STAGES[flag]))
+    capsys.readouterr()
+    assert given != default, (flag, given)

@@ -23,22 +23,33 @@ from jaxaccum.cli._console import console
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuses the flags a pipelined plan does not use, before any work."""
+    """Refuses the flags a pipelined plan does not use, before any work: the
+    user's loss and the flags describing it, the optimizer's and the batch
+    size (``--learning-rate`` and ``--batch-size`` are given when not their
+    defaults)."""
     given = [
         flag
         for flag, value in (
             ("LOSS", args.loss),
+            ("--params", args.params),
+            ("--batch", args.batch),
+            ("--has-aux", args.has_aux),
+            ("--reduction", args.reduction),
+            ("--aux-reduction", args.aux_reduction),
+            ("--batch-argnums", args.batch_argnums),
+            ("--key-argnums", args.key_argnums),
             ("--optimizer", args.optimizer),
+            ("--learning-rate", args.learning_rate != 1e-3),
+            ("--batch-size", args.batch_size != 8192),
         )
-        if value is not None
+        if value not in (None, False)
     ]
-    if args.batch_size != 8192:
-        given.append("--batch-size")
     if given:
         raise ValueError(
             f"{', '.join(given)}: not with --stages, which plans the demo MLP "
-            "pipelined, gradients only, its batch M x --microbatch-rows x "
-            "--data-shards (M chosen)."
+            "pipelined (LOSS and the flags describing it are for plan without "
+            "--stages), gradients only (no optimizer), its batch M x "
+            "--microbatch-rows x --data-shards (M chosen)."
         )
     if args.repeats > 1 and args.candidates and min(args.candidates) < args.stages:
         raise ValueError(
