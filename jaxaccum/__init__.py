@@ -49,7 +49,10 @@ from jaxaccum._window import FiniteReport as FiniteReport
 if TYPE_CHECKING:
     from jaxaccum import testing as testing
 
-__version__ = importlib.metadata.version("jaxaccum")
+try:
+    __version__ = importlib.metadata.version("jaxaccum")
+except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+    __version__ = "0+unknown"
 
 __all__ = [
     "DynamicLossScale",
