@@ -18,7 +18,8 @@ joined by dots (a key may hold spaces, ``/`` and ``=``; a list takes an index,
 ``rows.3``, or a selector, ``measurements[contender=jaxaccum,num_microbatches=16]``,
 the one element whose fields equal those values). The format:
 
-- ``mib``, ``kib``: bytes as ``6.6 MiB``, ``40.3 KiB``; ``mib2``: as ``17.09``;
+- ``gib``, ``mib``, ``kib``: bytes as ``15.29 GiB``, ``6.6 MiB``, ``40.3 KiB``;
+  ``mib2``: as ``17.09``;
 - ``ms``, ``us``: seconds as ``71.8 ms``, ``288 us``;
 - ``x``, ``x3``: a ratio as ``0.72x``, ``0.102x``;
 - ``pct``: a fraction as ``1.7%``;
@@ -140,6 +141,7 @@ def render(value: Any, spec: str) -> str:
     if kind in ("min", "median", "max"):
         return render(value[kind], rest)
     units = {
+        "gib": lambda v: f"{v / 2**30:.2f} GiB",
         "mib": lambda v: f"{v / 2**20:.1f} MiB",
         "mib2": lambda v: f"{v / 2**20:.2f}",
         "kib": lambda v: f"{v / 2**10:.1f} KiB",

@@ -1,0 +1,65 @@
+"""benchmarks/gpu.py's smoke preset: the accelerator benchmark runs end to end
+on CPU (its full preset runs on a GPU; benchmarks/results/gpu.json)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_gpu_benchmark_smoke_runs_every_contender(tmp_path):
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    jobs = {job["kind"]: job for job in results["jobs"]}
+    assert not [job["job"] for job in results["jobs"] if "error" in job]
+    assert set(jobs) == {
+        "full",
+        "jaxaccum",
+        "optax_microbatching",
+        "unrolled",
+        "optax_multisteps",
+        "jaxaccum_multisteps",
+        "fp8",
+        "plan",
+    }
+    # Every timed job is summarised against the full batch of its model.
+    timed = [job["job"] for job in results["jobs"] if "temp_bytes" in job]
+    assert [row["job"] for row in results["summary"]] == timed
+    window = next(
+        r for r in results["summary"] if r["job"] == "jaxaccum-N4-scan-default"
+    )
+    assert window["model_floor_ms"] > 0 and window["vs_full"] > 0
+    # The window's loops are the model's: tagging the loss tags its two scans
+    # (forward and backward), not the window's own loop.
+    tagged = next(j for j in results["jobs"] if j["variant"] == "tag_inner")
+    assert tagged["hlo"]["tagged_while"] == 2, tagged["hlo"]
+    assert jobs["full"]["hlo"]["tagged_while"] == 0
+    # FP8: the window's gradient is the hand-written window's (the same four
+    # float32 sums in another order: a few ulps, 2**-24 each, of every term;
+    # 1e-5 leaves room for cancellation), its metadata the big batch's exactly.
+    fp8 = jobs["fp8"]
+    for mine, hand in zip(
+        fp8["weight_grad_gap"]["jaxaccum"],
+        fp8["weight_grad_gap"]["blocks"],
+        strict=True,
+    ):
+        assert abs(mine - hand) <= 1e-5, fp8["weight_grad_gap"]
+    assert max(fp8["metadata_gap"]["jaxaccum"]) == 0.0, fp8["metadata_gap"]
+    plan = jobs["plan"]
+    assert plan["planned_footprint_bytes"] <= plan["budget_bytes"]
+    assert plan["num_microbatches"] > 1, plan["table"]
