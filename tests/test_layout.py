@@ -119,6 +119,31 @@ def test_init_only_re_exports():
     assert jaxaccum.__version__ == "0.1.0"
 
 
+def test_a_source_tree_on_pythonpath_imports_without_installed_metadata():
+    """No installed distribution (a checkout on PYTHONPATH, as on a machine
+    the source was copied to): the import works, the version says unknown."""
+    script = textwrap.dedent(
+        """
+        import importlib.metadata as metadata
+        found = metadata.version
+
+        def version(name):
+            if name == "jaxaccum":
+                raise metadata.PackageNotFoundError(name)
+            return found(name)
+
+        metadata.version = version
+        import jaxaccum
+        print(jaxaccum.__version__)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0+unknown"
+
+
 CORE = {
     "DynamicLossScale",
     "FiniteReport",
