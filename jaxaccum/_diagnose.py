@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
+from typing_extensions import Unpack
 
 from jaxaccum import _compare, _metadata, _split
 from jaxaccum._options import COMPARE_REFUSED, AccumOptions
+from jaxaccum._types import CompareKwargs, Fun, PyTree
 from jaxaccum._value_and_grad import make_accumulated
 
 # A cause is named when its model of the error leaves a residual under this
@@ -148,12 +150,12 @@ class Diagnosis:
 
 
 def diagnose(
-    fun: Callable[..., Any],
-    *args: Any,
+    fun: Fun,
+    *args: PyTree,
     num_microbatches: int | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[CompareKwargs],
 ) -> Diagnosis:
     """Compares accumulation with the full batch and names why they differ.
 

@@ -12,27 +12,29 @@ import dataclasses
 import inspect
 import math
 import numbers
-import typing
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Reduction = Literal["mean", "sum", "weighted"]
-# When parameters sharded over the data axes are gathered, and when gradients
-# are reduced over them (shard_value_and_grad): once per window or per
-# micro-batch; "auto" picks per leaf (see shard_value_and_grad).
-ShardMode = Literal["auto", "window", "microbatch"]
-AuxReduction = Literal["mean", "sum", "stack", "concat", "last"]
-ArgNums = int | Sequence[int]
+from jaxaccum._types import (
+    AUX_REDUCTIONS,
+    REDUCTIONS,
+    SCHEDULES,
+    SHARD_MODES,
+    ArgNums,
+    AuxReduction,
+    PyTree,
+    Reduction,
+    Remat,
+    ScheduleName,
+    ShardMode,
+)
 
-REDUCTIONS: tuple[str, ...] = typing.get_args(Reduction)
-AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
 # Aux reductions that keep one micro-batch's values: per device under shard_map.
 PER_MICROBATCH_AUX: tuple[str, ...] = ("stack", "concat", "last")
-SHARD_MODES: tuple[str, ...] = typing.get_args(ShardMode)
 
 
 def argnums_tuple(name: str, argnums: ArgNums) -> tuple[int, ...]:
@@ -218,7 +220,7 @@ PIPELINE_AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 
 
 # The pipeline's schedules (docs/guides/pipeline.md).
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES: tuple[str, ...] = SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +238,7 @@ class PipelineLayout:
     stage_axis: str = "stage"
     data_axis: str | None = None
     repeats: int = 1
-    schedule: str = "gpipe"
+    schedule: ScheduleName = "gpipe"
 
     def __post_init__(self) -> None:
         check_positive_int("repeats", self.repeats)
@@ -315,11 +317,11 @@ class AccumOptions:
     state_argnums: ArgNums = ()
     has_aux: bool = False
     reduction: Reduction = "mean"
-    aux_reduction: Any = "mean"
+    aux_reduction: AuxReduction | PyTree = "mean"
     accum_dtype: Any = jnp.float32
     pad: bool = False
     unroll: int | bool = 1
-    remat: bool | Callable[..., Any] = False
+    remat: Remat = False
     report_finite: bool = False
     report_stats: bool = False
     masked: bool = False
@@ -602,32 +604,6 @@ NO_LOSS_SCALE = (
 # What the checks and plans that compare windows refuse (they build the
 # windows they compare, unscaled and unsharded).
 COMPARE_REFUSED: dict[str, str] = {**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE}
-
-
-def options_signature(
-    front_end: Callable[..., Any], exclude: Collection[str] = ()
-) -> inspect.Signature:
-    """``front_end``'s signature with its ``**options`` written out: each
-    option a keyword-only parameter with the field's type and default (for
-    ``help``, IDEs and ``inspect``), all but ``exclude``."""
-    own = inspect.signature(front_end)
-    leading = [
-        parameter
-        for parameter in own.parameters.values()
-        if parameter.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    names = AccumOptions.option_names() - set(exclude) - {p.name for p in leading}
-    options = [
-        inspect.Parameter(
-            field.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=field.default,
-            annotation=field.type,
-        )
-        for field in dataclasses.fields(AccumOptions)
-        if field.name in names
-    ]
-    return own.replace(parameters=[*leading, *options])
 
 
 def check_accepts_example_mask(fun: Callable[..., Any]) -> None:

@@ -34,12 +34,14 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
+from jax.sharding import AbstractMesh, Mesh
+from typing_extensions import Unpack
 
 from jaxaccum import _split
 from jaxaccum._hlo import window_bytes
@@ -50,7 +52,8 @@ from jaxaccum._options import (
     argnums_tuple,
     candidate_counts,
 )
-from jaxaccum._shard import shard_value_and_grad
+from jaxaccum._shard import DataAxis, shard_value_and_grad
+from jaxaccum._types import Fun, ModePlanKwargs, PlanKwargs, PyTree, ShardMode
 from jaxaccum._value_and_grad import make_accumulated
 
 _UNITS = {
@@ -200,12 +203,12 @@ def parse_memory_budget(memory_budget: int | float | str) -> int:
 
 
 def plan(
-    fun: Callable[..., Any],
-    *args: Any,
+    fun: Fun,
+    *args: PyTree,
     memory_budget: int | float | str,
     candidates: Iterable[int] | None = None,
     optimizer: optax.GradientTransformation | None = None,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[PlanKwargs],
 ) -> MemoryPlan:
     """Finds the fewest micro-batches whose compiled step fits a memory budget.
 
@@ -266,7 +269,8 @@ def plan(
                 f"plan chooses the number of micro-batches itself; do not pass "
                 f"{name}. Restrict the choice with candidates=[...] instead."
             )
-    if value_and_grad_kwargs.get("masked"):
+    given: Mapping[str, Any] = value_and_grad_kwargs  # keys it does not take too
+    if given.get("masked"):
         raise TypeError(
             "plan does not take masked=True: it compiles one program per "
             "candidate N, and a masked program holds the buffers of its largest "
@@ -400,12 +404,13 @@ class ModePlan:
 
 
 def plan_modes(
-    fun: Callable[..., Any],
-    *args: Any,
+    fun: Fun,
+    *args: PyTree,
     num_microbatches: int,
     memory_budget: int | float | str,
-    mesh: Any = None,
-    **shard_kwargs: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    data_axis: DataAxis = "data",
+    **shard_kwargs: Unpack[ModePlanKwargs],
 ) -> ModePlan:
     """Compares the ``param_gather`` x ``grad_reduce`` modes of a sharded step.
 
@@ -424,8 +429,10 @@ def plan_modes(
       num_microbatches: ``N``.
       memory_budget: per-device bytes or a string such as ``"16GiB"``.
       mesh: the mesh; by default the one set with ``jax.set_mesh``.
+      data_axis: the mesh axis (or axes) the batch is sharded over, as for
+        :func:`jaxaccum.shard_value_and_grad`.
       **shard_kwargs: other keyword arguments of
-        :func:`jaxaccum.shard_value_and_grad` (``data_axis``, ``reduction``,
+        :func:`jaxaccum.shard_value_and_grad` (``reduction``,
         ``gather_dtype``, ...).
 
     Returns:
@@ -437,7 +444,7 @@ def plan_modes(
     chosen = "plan_modes compiles every param_gather x grad_reduce combination itself."
     AccumOptions.check_keywords(
         "plan_modes",
-        set(shard_kwargs) - {"data_axis"},  # shard_value_and_grad's own keyword
+        shard_kwargs,
         refused={
             "param_gather": chosen,
             "grad_reduce": chosen,
@@ -446,12 +453,14 @@ def plan_modes(
     )
     budget = parse_memory_budget(memory_budget)
     rows = []
-    for gather in ("window", "microbatch"):
-        for reduce in ("window", "microbatch"):
+    modes: tuple[ShardMode, ...] = ("window", "microbatch")
+    for gather in modes:
+        for reduce in modes:
             step = shard_value_and_grad(
                 fun,
                 num_microbatches,
                 mesh=mesh,
+                data_axis=data_axis,
                 param_gather=gather,
                 grad_reduce=reduce,
                 **shard_kwargs,

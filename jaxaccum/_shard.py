@@ -21,10 +21,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from typing_extensions import Unpack
 
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
-from jaxaccum._options import AccumOptions, options_signature
+from jaxaccum._options import AccumOptions
+from jaxaccum._types import Fun, ShardKwargs
 from jaxaccum._value_and_grad import check_arg_count, make_accumulated
 
 DataAxis = str | Sequence[str]
@@ -118,12 +120,12 @@ _NOT_SHARDED = {
 
 
 def shard_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Fun,
     num_microbatches: int | None = None,
     *,
     mesh: Mesh | AbstractMesh | None = None,
     data_axis: DataAxis = "data",
-    **keywords: Any,
+    **keywords: Unpack[ShardKwargs],
 ) -> Callable[..., Any]:
     """:func:`jaxaccum.value_and_grad` with one gradient all-reduce per window.
 
@@ -249,11 +251,6 @@ def shard_value_and_grad(
         return jax.jit(step)(mapped, frozen.arrays)
 
     return accumulated
-
-
-shard_value_and_grad.__signature__ = options_signature(  # type: ignore[attr-defined]
-    shard_value_and_grad, exclude=_NOT_SHARDED
-)
 
 
 class _Frozen(NamedTuple):

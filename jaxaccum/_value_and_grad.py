@@ -4,11 +4,12 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from typing_extensions import Unpack
 
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
@@ -24,8 +25,8 @@ from jaxaccum._options import (
     AccumOptions,
     check_accepts_example_mask,
     check_scalar,
-    options_signature,
 )
+from jaxaccum._types import AccumKwargs, Fun
 from jaxaccum._window import (
     FiniteReport,
     MicroOut,
@@ -38,14 +39,11 @@ from jaxaccum._window import (
     zeros_like_aval,
 )
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
 
 def value_and_grad(
-    fun: Callable[..., Any],
+    fun: Fun,
     num_microbatches: int | None = None,
-    **options: Any,
+    **options: Unpack[AccumKwargs],
 ) -> Callable[..., Any]:
     """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
 
@@ -127,27 +125,8 @@ def value_and_grad(
     )
 
 
-value_and_grad.__signature__ = options_signature(  # type: ignore[attr-defined]
-    value_and_grad, exclude=SHARD_OPTIONS
-)
-
-
-def signature_of(
-    source: Callable[_P, Any],
-) -> Callable[[Callable[..., _R]], Callable[_P, _R]]:
-    """Gives the decorated function ``source``'s signature, for ``help``, IDEs
-    and type checkers, without writing its keyword list out again."""
-
-    def decorate(target: Callable[..., _R]) -> Callable[_P, _R]:
-        target.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]
-        return target
-
-    return decorate
-
-
-@signature_of(value_and_grad)
 def grad(
-    fun: Callable[..., Any], num_microbatches: int | None = None, **options: Any
+    fun: Fun, num_microbatches: int | None = None, **options: Unpack[AccumKwargs]
 ) -> Callable[..., Any]:
     """Like :func:`value_and_grad` but returns only the gradient.
 
@@ -160,9 +139,10 @@ def grad(
       fun: the loss, as for :func:`value_and_grad`: a scalar mean (or sum, or
         ``(sum, weight)``) over the examples of the batch it is given.
       num_microbatches: N, the number of micro-batches the batch is split into
-        (or give ``microbatch_size``). Every other keyword is
-        :func:`value_and_grad`'s, with the same meaning (``argnums``,
-        ``batch_argnums``, ``has_aux``, ``reduction``, ...).
+        (or give ``microbatch_size``).
+      **options: :func:`value_and_grad`'s keyword options, with the same
+        meaning (``microbatch_size``, ``argnums``, ``batch_argnums``,
+        ``has_aux``, ``reduction``, ...).
 
     Returns:
       A function of ``fun``'s arguments that returns the gradient of the whole

@@ -27,6 +27,8 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import Unpack
+
 try:
     import equinox as eqx
 except ImportError as error:  # pragma: no cover - exercised in a core-only venv
@@ -40,13 +42,12 @@ from jaxaccum._options import (
     SHARD_OPTIONS,
     AccumOptions,
     check_accepts_example_mask,
-    options_signature,
 )
+from jaxaccum._types import FilterCompareKwargs, FilterKwargs, Fun, PyTree
 from jaxaccum._value_and_grad import (
     add_call_parameters,
     grads_only,
     make_accumulated,
-    signature_of,
 )
 
 if TYPE_CHECKING:
@@ -71,9 +72,9 @@ def _on_arrays(fun: Callable[..., Any], model: Any) -> tuple[Callable, Any]:
 
 
 def filter_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Fun,
     num_microbatches: int | None = None,
-    **options: Any,
+    **options: Unpack[FilterKwargs],
 ) -> Callable[..., Any]:
     """``eqx.filter_value_and_grad`` over micro-batches.
 
@@ -145,21 +146,17 @@ def filter_value_and_grad(
     return accumulated
 
 
-def _options(where: str, num_microbatches: int | None, options: dict) -> AccumOptions:
+def _options(
+    where: str, num_microbatches: int | None, options: FilterKwargs
+) -> AccumOptions:
     """The options of an Equinox front end: it differentiates the model."""
     return AccumOptions.create(
         where, num_microbatches, options, fixed={"argnums": 0}, refused=SHARD_OPTIONS
     )
 
 
-filter_value_and_grad.__signature__ = options_signature(  # type: ignore[attr-defined]
-    filter_value_and_grad, exclude=(*SHARD_OPTIONS, "argnums")
-)
-
-
-@signature_of(filter_value_and_grad)
 def filter_grad(
-    fun: Callable[..., Any], num_microbatches: int | None = None, **options: Any
+    fun: Fun, num_microbatches: int | None = None, **options: Unpack[FilterKwargs]
 ) -> Callable[..., Any]:
     """``eqx.filter_grad`` over micro-batches: :func:`filter_value_and_grad`'s
     gradients alone (``(grads, aux)`` with ``has_aux``, as ``eqx.filter_grad``
@@ -168,8 +165,8 @@ def filter_grad(
     Args:
       fun: the loss, ``fun(model, *args)``, a mean over the batch it is given.
       num_microbatches: N, the number of micro-batches (or ``microbatch_size``).
-        Every other keyword is :func:`filter_value_and_grad`'s, with the same
-        meaning.
+      **options: :func:`filter_value_and_grad`'s keyword options, with the
+        same meaning.
 
     Returns:
       A function of ``fun``'s arguments returning the gradient with respect to
@@ -190,13 +187,13 @@ def filter_grad(
 
 
 def filter_assert_grads_match_full_batch(
-    fun: Callable[..., Any],
-    model: Any,
-    *args: Any,
+    fun: Fun,
+    model: PyTree,
+    *args: PyTree,
     num_microbatches: int | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[FilterCompareKwargs],
 ) -> None:
     """:func:`jaxaccum.testing.assert_grads_match_full_batch` for an Equinox
     loss ``fun(model, *args)``: its inexact-array leaves are compared, named by
@@ -249,13 +246,13 @@ def filter_assert_grads_match_full_batch(
 
 
 def filter_diagnose(
-    fun: Callable[..., Any],
-    model: Any,
-    *args: Any,
+    fun: Fun,
+    model: PyTree,
+    *args: PyTree,
     num_microbatches: int | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[FilterCompareKwargs],
 ) -> "Diagnosis":
     """:func:`jaxaccum.testing.diagnose` for an Equinox loss ``fun(model,
     *args)``: names why accumulation differs from the full batch (BatchNorm,

@@ -25,8 +25,10 @@ under accumulation: ``GroupNorm`` for convolutional networks, ``LayerNorm`` (or
 ``RMSNorm``) elsewhere.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from typing_extensions import Unpack
 
 try:
     import flax.core
@@ -48,6 +50,7 @@ from jaxaccum._options import (
     AccumOptions,
     check_accepts_example_mask,
 )
+from jaxaccum._types import FlaxCompareKwargs, FlaxKwargs, Fun
 from jaxaccum._value_and_grad import make_accumulated
 
 if TYPE_CHECKING:
@@ -69,7 +72,7 @@ _NNX_KEYS = (
 )
 
 
-def _check_kwargs(helper: str, value_and_grad_kwargs: dict) -> None:
+def _check_kwargs(helper: str, value_and_grad_kwargs: Collection[str]) -> None:
     """The Flax checks differentiate the parameters, split the batch (the
     second argument) and carry the model's state: they set those roles, and
     compare unscaled, unsharded windows."""
@@ -94,7 +97,7 @@ def _collection_names(mutable: str | Sequence[str] | bool) -> tuple[str, ...]:
 def _linen_options(
     where: str,
     num_microbatches: int | None,
-    options: dict,
+    options: Mapping[str, Any],
     collections: tuple[str, ...],
 ) -> AccumOptions:
     """A Linen front end's options: ``fun(variables, batch, ...)`` split as
@@ -114,12 +117,12 @@ def _linen_options(
 
 
 def linen_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Fun,
     num_microbatches: int | None = None,
     *,
     mutable: str | Sequence[str] = (),
     has_aux: bool = False,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[FlaxKwargs],
 ) -> Callable[..., Any]:
     """Accumulates a loss that calls a Linen ``model.apply``, state and rngs too.
 
@@ -268,7 +271,7 @@ def _linen_split(variables: Any, collections: tuple[str, ...]) -> tuple:
 
 
 def linen_diagnose(
-    fun: Callable[..., Any],
+    fun: Fun,
     variables: Any,
     batch: Any,
     *args: Any,
@@ -277,7 +280,7 @@ def linen_diagnose(
     rngs: Any = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[FlaxCompareKwargs],
 ) -> "Diagnosis":
     """:func:`jaxaccum.testing.diagnose` for a loss of :func:`linen_value_and_grad`.
 
@@ -341,12 +344,12 @@ def linen_diagnose(
 
 
 def linen_train_step(
-    fun: Callable[..., Any],
+    fun: Fun,
     num_microbatches: int | None = None,
     *,
     mutable: str | Sequence[str] = (),
     has_aux: bool = False,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[FlaxKwargs],
 ) -> Callable[..., Any]:
     """A ``TrainState`` step: accumulate a window, then one ``apply_gradients``.
 
@@ -526,12 +529,12 @@ class TrainState(train_state.TrainState):
 
 
 def nnx_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Fun,
     num_microbatches: int | None = None,
     *,
     wrt: Any = nnx.Param,
     has_aux: bool = False,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[FlaxKwargs],
 ) -> Callable[..., Any]:
     """``nnx.value_and_grad`` over micro-batches, the model's state carried in order.
 
@@ -606,7 +609,7 @@ def nnx_value_and_grad(
 
 
 def nnx_diagnose(
-    fun: Callable[..., Any],
+    fun: Fun,
     model: Any,
     batch: Any,
     *args: Any,
@@ -614,7 +617,7 @@ def nnx_diagnose(
     wrt: Any = nnx.Param,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[FlaxCompareKwargs],
 ) -> "Diagnosis":
     """:func:`jaxaccum.testing.diagnose` for a loss of :func:`nnx_value_and_grad`.
 

@@ -7,9 +7,8 @@ Imported on first use of ``jaxaccum.testing``, so ``import jaxaccum`` in a
 training step does not load chex.
 """
 
-from typing import Any
-
 import chex
+from typing_extensions import Unpack
 
 from jaxaccum._compare import accumulated_and_reference, leaf_errors, metadata_paths
 from jaxaccum._diagnose import Cause, Diagnosis, LeafError, diagnose
@@ -22,6 +21,7 @@ from jaxaccum._hlo import (
     window_bytes,
 )
 from jaxaccum._options import COMPARE_REFUSED, AccumOptions
+from jaxaccum._types import CompareKwargs, Fun, PyTree
 
 __all__ = [
     "COLLECTIVES",
@@ -40,12 +40,12 @@ __all__ = [
 
 
 def assert_grads_match_full_batch(
-    fun: Any,
-    *args: Any,
+    fun: Fun,
+    *args: PyTree,
     num_microbatches: int | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    **value_and_grad_kwargs: Any,
+    **value_and_grad_kwargs: Unpack[CompareKwargs],
 ) -> None:
     """Asserts that accumulated value and gradients equal the full-batch ones.
 

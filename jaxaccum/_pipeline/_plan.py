@@ -19,7 +19,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from typing_extensions import Unpack
 
 from jaxaccum import _split
 from jaxaccum._options import (
@@ -34,6 +35,7 @@ from jaxaccum._pipeline._layout import prepare, resolve_mesh, unpack_params
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._step import make_pipeline
 from jaxaccum._plan import format_bytes, parse_memory_budget, total_bytes
+from jaxaccum._types import Fun, Params, PipelinePlanKwargs, PyTree, ScheduleName
 
 _ASSUMED_RECOMPUTE = 1 / 3  # a backward pass twice the forward's FLOPs
 
@@ -138,21 +140,21 @@ def _name(remat: Any) -> str:
 
 
 def plan_pipeline(
-    stage_fn: Callable[..., Any],
-    loss_fn: Callable[..., Any],
-    params: Any,
-    microbatch: Any,
+    stage_fn: Fun,
+    loss_fn: Fun,
+    params: Params,
+    microbatch: PyTree,
     *,
     memory_budget: int | float | str,
-    mesh: Any = None,
-    embed_fn: Callable[..., Any] | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    embed_fn: Fun | None = None,
     stage_axis: str = "stage",
     data_axis: str | None = None,
     repeats: int = 1,
-    schedule: str | None = None,
+    schedule: ScheduleName | None = None,
     candidates: Iterable[int] | None = None,
-    key: Any = None,
-    **options: Any,
+    key: PyTree = None,
+    **options: Unpack[PipelinePlanKwargs],
 ) -> PipelinePlan:
     """Finds the window whose pipelined step fits a memory budget with the
     least idle and recomputed work: ``M``, the schedule and ``remat``.

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from typing_extensions import Unpack
 
 from jaxaccum._loss_scale import (
     loss_scale_report,
@@ -21,7 +22,6 @@ from jaxaccum._options import (
     PIPELINE_REFUSED,
     AccumOptions,
     PipelineLayout,
-    options_signature,
 )
 from jaxaccum._pipeline._1f1b import run_window
 from jaxaccum._pipeline._calls import LossOut, takes_key
@@ -43,6 +43,7 @@ from jaxaccum._pipeline._layout import (
 from jaxaccum._pipeline._loop import on_device
 from jaxaccum._pipeline._schedule import schedule_on
 from jaxaccum._pipeline._stats import make_probes, probed, unshared, window_report
+from jaxaccum._types import Fun, PipelineKwargs, ScheduleName
 from jaxaccum._value_and_grad import check_differentiable
 from jaxaccum._window import (
     AuxPlan,
@@ -318,17 +319,17 @@ def make_pipeline(
 
 
 def pipeline_value_and_grad(
-    stage_fn: Callable[..., Any],
-    loss_fn: Callable[..., Any],
+    stage_fn: Fun,
+    loss_fn: Fun,
     num_microbatches: int | None = None,
     *,
     mesh: Mesh | AbstractMesh | None = None,
-    embed_fn: Callable[..., Any] | None = None,
+    embed_fn: Fun | None = None,
     stage_axis: str = "stage",
     data_axis: str | None = None,
     repeats: int = 1,
-    schedule: str = "gpipe",
-    **options: Any,
+    schedule: ScheduleName = "gpipe",
+    **options: Unpack[PipelineKwargs],
 ) -> Callable[..., Any]:
     """Pipeline parallelism where the accumulation window is the pipeline.
 
@@ -448,8 +449,3 @@ def pipeline_value_and_grad(
         refused=PIPELINE_REFUSED,
     )
     return make_pipeline((stage_fn, loss_fn, embed_fn), accum, mesh)
-
-
-pipeline_value_and_grad.__signature__ = options_signature(  # type: ignore[attr-defined]
-    pipeline_value_and_grad, exclude=PIPELINE_REFUSED
-)

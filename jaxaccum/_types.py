@@ -1,0 +1,160 @@
+"""The types of jaxaccum's public surface, named once.
+
+The tree aliases say what an ``Any`` holds (optax's ``base.py`` does the same:
+``Params = Any``). The keyword bags are the front ends' options as PEP 692
+``TypedDict`` s, built from small groups, one per feature, so that a front
+end's ``**options: Unpack[...]`` lists exactly the options it takes and a type
+checker flags a misspelt or ill-typed one. The run-time checks stay in
+:class:`jaxaccum._options.AccumOptions` (users without a type checker get the
+same option named in the error).
+"""
+
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from jax.typing import DTypeLike
+from typing_extensions import TypedDict
+
+# A pytree of arrays (or of ``jax.ShapeDtypeStruct`` values, when planning).
+PyTree = Any
+# The differentiated argument(s) of a loss: a pytree of float arrays.
+Params = PyTree
+# A batch argument: a pytree whose leaves share a leading axis of examples.
+Batch = PyTree
+# Gradients: a pytree shaped like the differentiated ``Params``.
+Grads = PyTree
+# A loss (or stage, embedding) function of pytrees, returning a pytree.
+Fun = Callable[..., PyTree]
+
+Reduction = Literal["mean", "sum", "weighted"]
+AuxReduction = Literal["mean", "sum", "stack", "concat", "last"]
+# When parameters sharded over the data axes are gathered, and when gradients
+# are reduced over them (shard_value_and_grad): once per window or per
+# micro-batch; "auto" picks per leaf (see shard_value_and_grad).
+ShardMode = Literal["auto", "window", "microbatch"]
+# The pipeline's schedules (docs/guides/pipeline.md).
+ScheduleName = Literal["gpipe", "1f1b"]
+ArgNums = int | Sequence[int]
+# ``True`` (or ``False``/``None``) or a ``jax.checkpoint`` policy.
+Remat = bool | Callable[..., bool] | None
+
+REDUCTIONS: tuple[str, ...] = typing.get_args(Reduction)
+AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
+SHARD_MODES: tuple[str, ...] = typing.get_args(ShardMode)
+SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
+
+
+class _Window(TypedDict, total=False):
+    """The options every front end takes."""
+
+    reduction: Reduction
+    # One of AuxReduction, or a pytree prefix of the aux output mapping
+    # leaves to them.
+    aux_reduction: AuxReduction | PyTree
+    accum_dtype: DTypeLike | None
+    unroll: int | bool
+    remat: Remat
+    report_stats: bool
+
+
+class _Size(TypedDict, total=False):
+    microbatch_size: int
+
+
+class _HasAux(TypedDict, total=False):
+    has_aux: bool
+
+
+class _Pad(TypedDict, total=False):
+    pad: bool
+
+
+class _Finite(TypedDict, total=False):
+    report_finite: bool
+
+
+class _Masked(TypedDict, total=False):
+    masked: bool
+
+
+class _LossScale(TypedDict, total=False):
+    loss_scale: bool
+
+
+class _Argnums(TypedDict, total=False):
+    argnums: ArgNums
+
+
+class _BatchRoles(TypedDict, total=False):
+    batch_argnums: ArgNums
+    key_argnums: ArgNums
+
+
+class _State(TypedDict, total=False):
+    state_argnums: ArgNums
+
+
+class _ShardModes(TypedDict, total=False):
+    param_gather: ShardMode
+    grad_reduce: ShardMode
+
+
+class _GatherDtype(TypedDict, total=False):
+    gather_dtype: DTypeLike | None
+
+
+class _Compared(_Window, _Size, _HasAux, _Pad, _Finite, _Masked):
+    """What the checks that compare windows take: unscaled, unsharded."""
+
+
+class FlaxKwargs(_Window, _Size, _Pad, _Finite, _Masked, _LossScale):
+    """The options of the Flax front ends, which set the argument roles and
+    take ``has_aux`` themselves."""
+
+
+class FilterKwargs(FlaxKwargs, _HasAux, _BatchRoles, _State):
+    """The options of the Equinox front ends, which differentiate the model."""
+
+
+class AccumKwargs(FilterKwargs, _Argnums):
+    """The options of :func:`jaxaccum.value_and_grad` and :func:`jaxaccum.grad`."""
+
+
+class FlaxCompareKwargs(_Compared):
+    """The options of the Flax checks (their argument roles are set)."""
+
+
+class FilterCompareKwargs(_Compared, _BatchRoles, _State):
+    """The options of the Equinox checks."""
+
+
+class CompareKwargs(FilterCompareKwargs, _Argnums):
+    """The options of :func:`jaxaccum.testing.assert_grads_match_full_batch`
+    and :func:`jaxaccum.testing.diagnose`."""
+
+
+class PlanKwargs(_Window, _HasAux, _Pad, _Finite, _Argnums, _BatchRoles, _State):
+    """The options of :func:`jaxaccum.plan`: it chooses ``N`` and builds
+    unmasked, unscaled windows."""
+
+
+class _ShardCommon(_Window, _Size, _HasAux, _Pad, _Argnums, _BatchRoles):
+    """What :func:`jaxaccum.shard_value_and_grad` shares with its planner."""
+
+
+class ShardKwargs(_ShardCommon, _LossScale, _ShardModes, _GatherDtype):
+    """The options of :func:`jaxaccum.shard_value_and_grad`."""
+
+
+class ModePlanKwargs(_ShardCommon, _GatherDtype):
+    """The options of :func:`jaxaccum.plan_modes`, which sets the modes."""
+
+
+class PipelinePlanKwargs(_Window, _HasAux, _Finite, _ShardModes):
+    """The options of :func:`jaxaccum.plan_pipeline`: it chooses ``M`` and
+    plans unscaled windows."""
+
+
+class PipelineKwargs(PipelinePlanKwargs, _Size, _LossScale):
+    """The options of :func:`jaxaccum.pipeline_value_and_grad`."""
