@@ -1,16 +1,15 @@
 """Accumulated vs full-batch results, shared by ``testing`` and ``_diagnose``."""
 
-from typing import Any
-
 import jax
 import numpy as np
 
 from jaxaccum import _metadata
 from jaxaccum._options import AccumOptions
+from jaxaccum._types import Fun, PyTree
 from jaxaccum._value_and_grad import make_accumulated
 
 
-def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
+def leaf_errors(actual: PyTree, expected: PyTree) -> list[tuple[str, float, float]]:
     r"""Per-leaf ``(path, max abs error, relative error)`` of two pytrees.
 
     The relative error is the max absolute error divided by the leaf's largest
@@ -46,7 +45,7 @@ def leaf_errors(actual: Any, expected: Any) -> list[tuple[str, float, float]]:
     return errors
 
 
-def metadata_paths(tree: Any) -> frozenset[str]:
+def metadata_paths(tree: PyTree) -> frozenset[str]:
     """The ``keystr`` paths of the FP8 metadata leaves of ``tree``."""
     return frozenset(
         jax.tree_util.keystr(path)
@@ -55,7 +54,7 @@ def metadata_paths(tree: Any) -> frozenset[str]:
     )
 
 
-def value_and_grads(fun: Any, args: tuple, options: AccumOptions) -> tuple:
+def value_and_grads(fun: Fun, args: tuple, options: AccumOptions) -> tuple:
     """Runs ``fun`` accumulated with ``options`` under jit; returns (value,
     grads) alone."""
     result = jax.jit(make_accumulated(fun, options))(*args)
@@ -69,7 +68,7 @@ def value_and_grads(fun: Any, args: tuple, options: AccumOptions) -> tuple:
 
 
 def accumulated_and_reference(
-    fun: Any, args: tuple, options: AccumOptions
+    fun: Fun, args: tuple, options: AccumOptions
 ) -> tuple[tuple, tuple]:
     """(value, grads) with ``options``' micro-batches and with one, under jit."""
     accumulated = value_and_grads(fun, args, options)

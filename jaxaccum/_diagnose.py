@@ -292,7 +292,7 @@ def _num_microbatches(args: tuple, options: AccumOptions) -> int:
     ).num_microbatches
 
 
-def _close(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
+def _close(actual: PyTree, expected: PyTree, rtol: float, atol: float) -> bool:
     try:
         chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError:
@@ -300,7 +300,7 @@ def _close(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
     return True
 
 
-def _flat(tree: Any) -> np.ndarray:
+def _flat(tree: PyTree) -> np.ndarray:
     """The gradient leaves of ``tree`` in one float64 vector (FP8 metadata,
     not a gradient, left out)."""
     return np.asarray(ravel_pytree(_metadata.gradient_leaves(tree))[0], np.float64)
@@ -311,7 +311,7 @@ def _least_squares_scale(actual: np.ndarray, reference: np.ndarray) -> float:
     return float(actual @ reference) / norm if norm else float("nan")
 
 
-def _relative_change(new: Any, old: Any) -> float:
+def _relative_change(new: PyTree, old: PyTree) -> float:
     new, old = _flat(new), _flat(old)
     return float(np.max(np.abs(new - old), initial=0.0)) / max(
         float(np.max(np.abs(old), initial=0.0)), float(np.finfo(np.float32).tiny)
@@ -319,7 +319,7 @@ def _relative_change(new: Any, old: Any) -> float:
 
 
 def _key_sensitivity(
-    fun: Callable[..., Any], args: tuple, reference: tuple, options: AccumOptions
+    fun: Fun, args: tuple, reference: tuple, options: AccumOptions
 ) -> float:
     """Relative change of the full-batch gradient when every key is changed."""
     other_args = list(args)
@@ -332,7 +332,7 @@ def _key_sensitivity(
 
 
 def _microbatch_weights(
-    fun: Callable[..., Any],
+    fun: Fun,
     args: tuple,
     num: int,
     reference_grads: np.ndarray,
@@ -389,9 +389,7 @@ def _microbatch_weights(
     return weights / np.mean(weights)
 
 
-def _interaction(
-    fun: Callable[..., Any], args: tuple, options: AccumOptions
-) -> float | None:
+def _interaction(fun: Fun, args: tuple, options: AccumOptions) -> float | None:
     """How much moving the last example changes the other examples' gradients."""
     leaves, treedef = jax.tree.flatten(tuple(args[i] for i in options.batch_nums))
     floats = [

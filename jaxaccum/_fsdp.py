@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 from jaxaccum._noise_scale import squared_norm
 from jaxaccum._options import AccumOptions
 from jaxaccum._split import spec_names
+from jaxaccum._types import Fun, Grads, PyTree
 
 
 class ShardPlan(NamedTuple):
@@ -55,7 +56,7 @@ class ShardPlan(NamedTuple):
     step: Any
     metadata: tuple[bool, ...]
 
-    def map_leaves(self, fun: Any, tree: Any) -> Any:
+    def map_leaves(self, fun: Fun, tree: PyTree) -> PyTree:
         """``fun(index, leaf)`` over the leaves of ``tree`` (the diff args'
         structure), keeping the structure."""
         leaves, treedef = jax.tree.flatten(tree)
@@ -65,13 +66,13 @@ class ShardPlan(NamedTuple):
             treedef, [fun(index, leaf) for index, leaf in enumerate(leaves)]
         )
 
-    def data_specs(self, diff: Any) -> Any:
+    def data_specs(self, diff: PyTree) -> PyTree:
         """The ``shard_map`` specs of the differentiated arguments (and of
         their gradients): the data axes on each leaf's sharded dimension."""
         axes = self.data_axes
         entry = axes[0] if len(axes) == 1 else axes
 
-        def spec(index: int, leaf: Any) -> PartitionSpec:
+        def spec(index: int, leaf: PyTree) -> PartitionSpec:
             dim = self.dims[index]
             if dim is None:
                 return PartitionSpec()
@@ -79,7 +80,7 @@ class ShardPlan(NamedTuple):
 
         return self.map_leaves(spec, diff)
 
-    def varying(self, diff: Any) -> Any:
+    def varying(self, diff: PyTree) -> PyTree:
         """Casts the leaves not sharded over the data axes to varying.
 
         Differentiating an invariant input inside ``shard_map`` would psum its
@@ -96,7 +97,7 @@ class ShardPlan(NamedTuple):
             diff,
         )
 
-    def gather(self, diff: Any, in_window: bool) -> Any:
+    def gather(self, diff: PyTree, in_window: bool) -> PyTree:
         """All-gathers the sharded leaves whose gather time is ``in_window``,
         cast to ``gather_dtype`` for the transfer and back afterwards."""
 
@@ -118,7 +119,7 @@ class ShardPlan(NamedTuple):
 
         return self.map_leaves(gather_leaf, diff)
 
-    def _on_local_block(self, index: int, collective: Any, x: jax.Array) -> Any:
+    def _on_local_block(self, index: int, collective: Any, x: jax.Array) -> PyTree:
         """``collective(x)`` on each device's block of a leaf sharded over
         other (Auto) mesh axes too: manual over them, so that XLA does not
         first all-gather the leaf over those axes (a whole tensor-parallel
@@ -151,7 +152,7 @@ class ShardPlan(NamedTuple):
             grad,
         )
 
-    def reduce(self, grads: Any, in_window: bool) -> Any:
+    def reduce(self, grads: Grads, in_window: bool) -> PyTree:
         """Reduces the leaves whose reduction time is ``in_window``."""
         return self.map_leaves(
             lambda index, grad: (
@@ -175,7 +176,7 @@ class ShardPlan(NamedTuple):
         shape[dim] //= lax.axis_size(self.data_axes)
         return tuple(shape), True
 
-    def squared_norm(self, grads: Any) -> jax.Array:
+    def squared_norm(self, grads: Grads) -> jax.Array:
         """The float32 squared norm of reduced gradients (``real(x conj(x))``):
         shards' squares are summed over the data axes, whole leaves' are not."""
         sharded: list[jax.Array] = []

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum._options import check_scalar
+from jaxaccum._types import PyTree
 
 
 class DynamicLossScale(NamedTuple):
@@ -80,7 +81,7 @@ def dynamic_loss_scale(
     return _checked("", (loss_scale, 0, period, factor, min_loss_scale))
 
 
-def check_loss_scale(name: str, state: Any) -> DynamicLossScale:
+def check_loss_scale(name: str, state: PyTree) -> DynamicLossScale:
     """``state`` checked to be a :class:`DynamicLossScale` of scalars in
     range (``name`` in the messages), in its canonical dtypes."""
     if isinstance(state, LossScaleReport):
@@ -191,7 +192,9 @@ def update_loss_scale(
     )
 
 
-def select_if_finite(finite: jax.typing.ArrayLike, updated: Any, current: Any) -> Any:
+def select_if_finite(
+    finite: jax.typing.ArrayLike, updated: PyTree, current: PyTree
+) -> PyTree:
     """``updated`` if the window was finite, else ``current``, bitwise.
 
     A select per leaf (``jnp.where``), no Python control flow, so it works in
@@ -220,7 +223,7 @@ def select_if_finite(finite: jax.typing.ArrayLike, updated: Any, current: Any) -
       {'w': Array([1., 1.], dtype=float32)}
     """
     finite = _check_flag("finite", finite)
-    updated_tree: Any  # a PyTreeDef, which jaxlib's stubs leave unresolved
+    updated_tree: PyTree  # a PyTreeDef, which jaxlib's stubs leave unresolved
     updated_leaves, updated_tree = jax.tree_util.tree_flatten_with_path(updated)
     current_leaves, current_tree = jax.tree.flatten(current)
     if updated_tree != current_tree:
@@ -261,13 +264,13 @@ class LossScaleReport(NamedTuple):
     report: Any = ()
 
 
-def tree_finite(tree: Any) -> jax.Array:
+def tree_finite(tree: PyTree) -> jax.Array:
     """Whether every element of every leaf of ``tree`` is finite."""
     flags = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
-def scale_loss(loss: Any, loss_scale: jax.Array) -> jax.Array:
+def scale_loss(loss: PyTree, loss_scale: jax.Array) -> jax.Array:
     """``loss`` times the scale, in at least float32: a float16 loss is not
     rounded (or overflowed) by the product; the cotangent its backward pass
     starts from is the scale itself."""
@@ -275,11 +278,11 @@ def scale_loss(loss: Any, loss_scale: jax.Array) -> jax.Array:
     return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) * loss_scale
 
 
-def unscale(tree: Any, loss_scale: jax.Array) -> Any:
+def unscale(tree: PyTree, loss_scale: jax.Array) -> PyTree:
     """``tree`` divided by the scale, in at least float32 (exact for a power
     of two): a float16 gradient's unscaled value may be below float16's range."""
 
-    def unscale_leaf(leaf: Any) -> jax.Array:
+    def unscale_leaf(leaf: PyTree) -> jax.Array:
         leaf = jnp.asarray(leaf)
         return leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32)) / loss_scale
 

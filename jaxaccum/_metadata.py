@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxaccum._types import PyTree
+
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # Flax's collection
 
 
@@ -31,7 +33,7 @@ def _names(path: Sequence[Any]) -> list[Any]:
     return [getattr(key, "key", getattr(key, "name", None)) for key in path]
 
 
-def is_metadata(path: Sequence[Any], leaf: Any) -> bool:
+def is_metadata(path: Sequence[Any], leaf: PyTree) -> bool:
     """Whether a gradient leaf is FP8 metadata (combined by max): under the
     ``_overwrite_with_gradient`` collection, or of Flax's ``fm32`` dtype."""
     dtype = getattr(leaf, "dtype", None)
@@ -39,7 +41,7 @@ def is_metadata(path: Sequence[Any], leaf: Any) -> bool:
     return in_collection or (dtype is not None and _is_fp8_meta_dtype(dtype))
 
 
-def metadata_flags(tree: Any) -> tuple[bool, ...]:
+def metadata_flags(tree: PyTree) -> tuple[bool, ...]:
     """Per leaf of ``tree`` (flattened), whether it is FP8 metadata."""
     return tuple(
         is_metadata(path, leaf)
@@ -47,7 +49,7 @@ def metadata_flags(tree: Any) -> tuple[bool, ...]:
     )
 
 
-def gradient_leaves(tree: Any) -> list[Any]:
+def gradient_leaves(tree: PyTree) -> list[Any]:
     """The leaves of a gradient-shaped ``tree`` that are gradients, FP8
     metadata left out: what a squared norm or an error norm sees."""
     return [
@@ -57,7 +59,7 @@ def gradient_leaves(tree: Any) -> list[Any]:
     ]
 
 
-def physical(x: Any) -> jax.Array:
+def physical(x: PyTree) -> jax.Array:
     """A metadata value as the float array it is stored as (``fm32``: float32)."""
     x = jnp.asarray(x)
     if _is_fp8_meta_dtype(x.dtype):

@@ -36,6 +36,7 @@ from jaxaccum._loss_scale import DynamicLossScale, WindowLossScale
 from jaxaccum._noise_scale import NoiseEstimates, WindowStats
 from jaxaccum._options import check_scalar, static_scalar
 from jaxaccum._reduce import divide_by_total_weight
+from jaxaccum._types import Fun, Grads, PyTree
 from jaxaccum._window import accum_dtype_for
 from jaxaccum._window_noise import WindowNoise
 
@@ -75,19 +76,19 @@ class MultiStepsState(NamedTuple):
 
     mini_step: jax.Array
     gradient_step: jax.Array
-    inner_opt_state: Any
-    acc_grads: Any
+    inner_opt_state: PyTree
+    acc_grads: Grads
     skip_state: Any = ()
     acc_weight: jax.Array | float = 0.0
     noise: WindowNoise | tuple = ()
     loss_scale: WindowLossScale | tuple = ()
-    metadata: Any = ()
+    metadata: PyTree = ()
 
 
 class _WindowSums(NamedTuple):
     """The window's sums after a call, lazily reset like ``acc_grads``."""
 
-    acc_grads: Any
+    acc_grads: Grads
     acc_weight: jax.Array
     noise: WindowNoise | tuple
 
@@ -110,7 +111,7 @@ def _check_every_k(
     return every_k
 
 
-def _check_weight(weight: Any) -> jax.Array:
+def _check_weight(weight: PyTree) -> jax.Array:
     """Returns ``weight`` as a float32 scalar, or raises saying what is wrong
     (a concrete weight must be a finite number >= 0; a traced one that is not
     gives NaN, so the window it joins emits NaN)."""
@@ -191,7 +192,7 @@ def _window_length(
 
 
 def _should_skip(
-    should_skip_update_fn: Callable[..., Any],
+    should_skip_update_fn: Fun,
     updates: optax.Updates,
     gradient_step: jax.Array,
     params: optax.Params | None,
@@ -257,8 +258,8 @@ def _verdict(
 
 def _emit(
     opt: optax.GradientTransformationExtraArgs,
-    grads: Any,
-    inner_opt_state: Any,
+    grads: Grads,
+    inner_opt_state: PyTree,
     updates: optax.Updates,
     params: optax.Params | None,
     extra_args: dict[str, Any],
@@ -313,7 +314,7 @@ def _add_call(
 def _close_or_carry(
     emit: jax.Array,
     sums: _WindowSums,
-    inner_opt_state: Any,
+    inner_opt_state: PyTree,
     emit_window: Callable[[Any, Any], tuple[optax.Updates, Any]],
 ) -> tuple[optax.Updates, Any, _WindowSums]:
     """The call's updates, inner state and sums: ``emit_window``'s on the
@@ -440,7 +441,7 @@ class MultiSteps:
         """The wrapped optimizer, with extra-args support."""
         return self._opt
 
-    def init(self, params: optax.Params, metadata: Any = None) -> MultiStepsState:
+    def init(self, params: optax.Params, metadata: PyTree = None) -> MultiStepsState:
         """The state at the start of the first window: zero counters and
         accumulator, ``params`` given to the wrapped optimizer's ``init``;
         ``metadata``, the FP8 metadata (Flax's ``_overwrite_with_gradient``
@@ -469,7 +470,7 @@ class MultiSteps:
         params: optax.Params | None = None,
         *,
         every_k: jax.typing.ArrayLike | None = None,
-        **extra_args: Any,
+        **extra_args: PyTree,
     ) -> tuple[optax.Updates, MultiStepsState]:
         """Accumulates ``updates``; returns the wrapped optimizer's on a window's end.
 
@@ -542,7 +543,7 @@ class MultiSteps:
             updated = updated & state.loss_scale.finite
         return updated
 
-    def metadata(self, state: MultiStepsState, current: Any) -> Any:
+    def metadata(self, state: MultiStepsState, current: PyTree) -> PyTree:
         """The FP8 metadata to run the next call with: the window's new values
         (the max of its calls') right after an emitting call
         (:meth:`has_updated`), else ``current``, the values the window started
@@ -650,7 +651,7 @@ class MultiSteps:
         return optax.GradientTransformationExtraArgs(self.init, self.update)
 
 
-def _zero_accumulator(params: optax.Params, accumulator_dtype: Any) -> Any:
+def _zero_accumulator(params: optax.Params, accumulator_dtype: Any) -> PyTree:
     """Zeros like ``params``, each in its dtype promoted to ``accumulator_dtype``."""
     return jax.tree.map(
         lambda param: jnp.zeros_like(
@@ -671,7 +672,7 @@ def _holds_no_metadata(state: MultiStepsState) -> bool:
     return isinstance(state.metadata, tuple) and not state.metadata
 
 
-def _window_metadata(metadata: Any) -> Any:
+def _window_metadata(metadata: PyTree) -> PyTree:
     """The state's running max of the metadata: float32 zeros like it."""
     return jax.tree.map(
         lambda leaf: jnp.zeros(jnp.shape(leaf), _metadata.physical_dtype(leaf.dtype)),
@@ -679,7 +680,7 @@ def _window_metadata(metadata: Any) -> Any:
     )
 
 
-def _check_metadata(state: MultiStepsState, metadata: Any) -> Any:
+def _check_metadata(state: MultiStepsState, metadata: PyTree) -> PyTree:
     """``metadata`` passed to ``update``, checked against what ``init`` got."""
     held = state.metadata
     if metadata is None:
@@ -696,7 +697,7 @@ def _check_metadata(state: MultiStepsState, metadata: Any) -> Any:
     return metadata
 
 
-def _check_layout(name: str, metadata: Any, held: Any) -> None:
+def _check_layout(name: str, metadata: PyTree, held: PyTree) -> None:
     """That ``metadata`` (``name``) has the leaves and shapes ``init`` got."""
     given, expected = _layout(metadata), _layout(held)
     if given != expected:
@@ -707,7 +708,7 @@ def _check_layout(name: str, metadata: Any, held: Any) -> None:
         )
 
 
-def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+def _layout(tree: PyTree) -> list[tuple[str, tuple[int, ...]]]:
     """Each leaf's path (``keystr``) and shape."""
     return [
         (jax.tree_util.keystr(path), jnp.shape(leaf))
@@ -716,8 +717,8 @@ def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _max_into_window(
-    state: MultiStepsState, metadata: Any, should_skip: jax.Array
-) -> Any:
+    state: MultiStepsState, metadata: PyTree, should_skip: jax.Array
+) -> PyTree:
     """The window's running max of the metadata after a call: reset lazily
     by a window's first accepted call (as ``acc_grads``), kept by a dropped
     one."""

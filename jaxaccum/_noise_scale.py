@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxaccum._types import PyTree
 
-def in_stats_precision(leaf: Any) -> jax.Array:
+
+def in_stats_precision(leaf: PyTree) -> jax.Array:
     """``leaf`` in float32, or complex64 if it is complex: a cast to a real
     dtype would drop the imaginary part."""
     leaf = jnp.asarray(leaf)
@@ -33,14 +35,14 @@ def in_stats_precision(leaf: Any) -> jax.Array:
     return leaf.astype(jnp.float32)
 
 
-def squared_norm(tree: Any) -> jax.Array:
+def squared_norm(tree: PyTree) -> jax.Array:
     """The float32 squared norm of a pytree: ``sum real(x * conj(x))`` over
     its leaves, complex leaves included (``optax.tree.norm`` squares a complex
     leaf's real and imaginary parts)."""
     return optax.tree.norm(jax.tree.map(in_stats_precision, tree), squared=True)
 
 
-def unscaled_squared_norm(tree: Any, scale: Any) -> jax.Array:
+def unscaled_squared_norm(tree: PyTree, scale: Any) -> jax.Array:
     """The float32 squared norm of ``tree / scale`` (0 where ``scale`` is 0):
     a scaled gradient's own, the scale divided out of each leaf before
     squaring (a squared scale of 2**64 overflows float32, and a squared

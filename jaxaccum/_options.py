@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ from jaxaccum._types import (
     SHARD_MODES,
     ArgNums,
     AuxReduction,
+    Fun,
     PyTree,
     Reduction,
     Remat,
@@ -606,7 +607,7 @@ NO_LOSS_SCALE = (
 COMPARE_REFUSED: dict[str, str] = {**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE}
 
 
-def check_accepts_example_mask(fun: Callable[..., Any]) -> None:
+def check_accepts_example_mask(fun: Fun) -> None:
     """With ``pad``, ``fun`` is called with ``example_mask=``: it must take it."""
     try:
         parameters = inspect.signature(fun).parameters.values()

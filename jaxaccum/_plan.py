@@ -34,7 +34,7 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -530,13 +530,13 @@ def _check_candidates(candidates: Iterable[int] | None, batch_size: int) -> list
     return sorted(set(int(num) for num in candidates))
 
 
-def _compile(fun: Callable[..., Any], args: Sequence[Any], donate_argnums: tuple):
+def _compile(fun: Fun, args: Sequence[Any], donate_argnums: tuple):
     """Lowers and compiles ``jax.jit(fun)`` for ``args``."""
     return jax.jit(fun, donate_argnums=donate_argnums).lower(*args).compile()
 
 
 def measure(
-    fun: Callable[..., Any],
+    fun: Fun,
     args: Sequence[Any],
     num_microbatches: int,
     batch_size: int,
@@ -587,11 +587,11 @@ def total_bytes(analysis: Any) -> int:
 
 
 def train_step(
-    value_and_grad_fun: Callable[..., Any],
+    value_and_grad_fun: Fun,
     args: Sequence[Any],
     optimizer: optax.GradientTransformation,
     argnums: int | Sequence[int],
-) -> tuple[Callable[..., Any], tuple, tuple[int, ...]]:
+) -> tuple[Fun, tuple, tuple[int, ...]]:
     """Wraps a gradient step into ``step(opt_state, *args)`` applying updates.
 
     Returns the step, its arguments (optimizer state shapes first) and the
@@ -599,11 +599,11 @@ def train_step(
     """
     diff_nums = argnums_tuple("argnums", argnums)
 
-    def params_of(call_args: Sequence[Any]) -> Any:
+    def params_of(call_args: Sequence[Any]) -> PyTree:
         params = tuple(call_args[i] for i in diff_nums)
         return params[0] if isinstance(argnums, int) else params
 
-    def step(opt_state: Any, *call_args: Any) -> tuple:
+    def step(opt_state: Any, *call_args: PyTree) -> tuple:
         out, grads = value_and_grad_fun(*call_args)
         params = params_of(call_args)
         updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -1,13 +1,13 @@
 """Normalisation shared by the in-step (`value_and_grad`) and across-call
 (`MultiSteps`) accumulation paths, so both give the same numbers."""
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
+from jaxaccum._types import PyTree
 
-def divide_by_total_weight(weighted_sum: Any, total_weight: jax.Array) -> Any:
+
+def divide_by_total_weight(weighted_sum: PyTree, total_weight: jax.Array) -> PyTree:
     """Returns ``weighted_sum / total_weight`` leaf by leaf, or zeros if it is 0.
 
     This is the token-exact mean of a window: ``sum_k(w_k * g_k) / sum_k(w_k)``.

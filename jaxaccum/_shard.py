@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
-from jaxaccum._types import Fun, ShardKwargs
+from jaxaccum._types import Fun, PyTree, ShardKwargs
 from jaxaccum._value_and_grad import check_arg_count, make_accumulated
 
 DataAxis = str | Sequence[str]
@@ -48,7 +48,7 @@ def _resolve_mesh(
     mesh: Mesh | AbstractMesh | None,
     data_axes: tuple[str, ...],
     context_mesh: Callable[[], Any],
-) -> Any:
+) -> PyTree:
     """``mesh``, else ``context_mesh()`` (the one set with ``jax.set_mesh``)."""
     if mesh is None:
         mesh = context_mesh()
@@ -72,7 +72,7 @@ def shard_batch(
     mesh: Mesh | None = None,
     *,
     data_axis: DataAxis = "data",
-) -> Any:
+) -> PyTree:
     """Makes a global batch, sharded on axis 0 over ``data_axis``, from local rows.
 
     Each process passes the rows it loaded (``B / num_processes`` of them, the
@@ -126,7 +126,7 @@ def shard_value_and_grad(
     mesh: Mesh | AbstractMesh | None = None,
     data_axis: DataAxis = "data",
     **keywords: Unpack[ShardKwargs],
-) -> Callable[..., Any]:
+) -> Fun:
     """:func:`jaxaccum.value_and_grad` with one gradient all-reduce per window.
 
     Under ``jax.shard_map``, manual over ``data_axis``, each device accumulates
@@ -213,7 +213,7 @@ def shard_value_and_grad(
     )
 
     @functools.wraps(fun)
-    def accumulated(*args: Any, **kwargs: Any) -> Any:
+    def accumulated(*args: PyTree, **kwargs: PyTree) -> PyTree:
         check_arg_count(args, options)
         device_mesh = _resolve_mesh(
             mesh, options.data_axes, jax.sharding.get_abstract_mesh
@@ -229,7 +229,7 @@ def shard_value_and_grad(
         per_device = make_accumulated(fun, call_options)
         frozen = _Frozen.of(args, kwargs, mapped_nums)
 
-        def on_device(mapped: tuple, frozen_arrays: list) -> Any:
+        def on_device(mapped: tuple, frozen_arrays: list) -> PyTree:
             call_args, call_kwargs = frozen.rebuild(frozen_arrays)
             for num, value in zip(mapped_nums, mapped, strict=True):
                 # A device's rows, their registered nodes labelled so.
@@ -330,12 +330,12 @@ def _per_device_options(
 
 
 def _shard_map(
-    on_device: Callable[..., Any],
+    on_device: Fun,
     mapped_nums: tuple[int, ...],
     options: AccumOptions,
     mesh: Any,
     param_specs: tuple,
-) -> Callable[..., Any]:
+) -> Fun:
     """``on_device(mapped, frozen_arrays)`` under ``shard_map``: batch
     arguments split over the data axes, parameters as ``param_specs`` say
     (their gradients too), keys and frozen arrays replicated over them."""
@@ -345,7 +345,7 @@ def _shard_map(
     for num in options.batch_nums:
         specs[num] = PartitionSpec(batch_entry)
 
-    def step(mapped: tuple, frozen_arrays: list) -> Any:
+    def step(mapped: tuple, frozen_arrays: list) -> PyTree:
         # The context mesh: under _auto_model_axes its non-data axes are Auto.
         context = jax.sharding.get_abstract_mesh()
         mapped_specs = tuple(specs.get(num, PartitionSpec()) for num in mapped_nums)
@@ -369,7 +369,7 @@ def _shard_map(
     return step
 
 
-def _out_specs(options: AccumOptions, grad_specs: tuple) -> Any:
+def _out_specs(options: AccumOptions, grad_specs: tuple) -> PyTree:
     """Specs of the accumulated function's outputs: ``grad_specs`` (one tree
     per differentiated argument) for the gradients, replicated otherwise."""
     grads = grad_specs[0] if isinstance(options.argnums, int) else grad_specs
@@ -379,8 +379,8 @@ def _out_specs(options: AccumOptions, grad_specs: tuple) -> Any:
 
 
 def _auto_model_axes(
-    step: Callable[..., Any], diff_args: tuple, options: AccumOptions, mesh: Any
-) -> Callable[..., Any]:
+    step: Fun, diff_args: tuple, options: AccumOptions, mesh: Any
+) -> Fun:
     """Runs ``step`` with the Explicit mesh axes other than the data axes made
     Auto (``jax.sharding.auto_axes``); the gradients leave sharded as the
     parameters are.
@@ -402,7 +402,7 @@ def _auto_model_axes(
         step, axes=model_axes, out_sharding=_out_specs(options, param_specs)
     )
 
-    def in_mesh(*step_args: Any) -> Any:
+    def in_mesh(*step_args: PyTree) -> Any:
         abstract = getattr(mesh, "abstract_mesh", mesh)
         with jax.sharding.use_abstract_mesh(abstract):
             return auto_step(*step_args)
@@ -411,7 +411,7 @@ def _auto_model_axes(
 
 
 def _fit_explicit(
-    tree: Any, mesh: Any, data_axes: tuple[str, ...], split_rows: bool
+    tree: PyTree, mesh: Any, data_axes: tuple[str, ...], split_rows: bool
 ) -> Any:
     """Reshards batch, key and frozen leaves to what the ``shard_map``
     in_specs expect, if Explicit.
@@ -426,11 +426,11 @@ def _fit_explicit(
     ):
         return tree
 
-    def without_data_axes(entry: Any) -> Any:
+    def without_data_axes(entry: Any) -> PyTree:
         kept = tuple(name for name in _split.spec_names(entry) if name not in data_axes)
         return kept[0] if len(kept) == 1 else kept or None
 
-    def fit(leaf: Any) -> Any:
+    def fit(leaf: PyTree) -> Any:
         spec = tuple(jax.typeof(leaf).sharding.spec)
         spec += (None,) * (jnp.ndim(leaf) - len(spec))
         wanted = [without_data_axes(entry) for entry in spec]

@@ -9,6 +9,7 @@ import math
 import sys
 from typing import Any
 
+from jaxaccum._types import PyTree
 from jaxaccum.growth import NoiseScaleEMA as _NoiseScaleEMA
 
 _IMPORT_FROM = dis.opmap.get("IMPORT_FROM")
@@ -20,7 +21,7 @@ class NoiseScaleEMA(_NoiseScaleEMA):
     per-window ``decay`` is refused with the half-life that gives the same
     average."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, *args: PyTree, **kwargs: PyTree) -> Any:
         if args or "decay" in kwargs:
             decay = (args or (kwargs.get("decay"),))[0]
             raise TypeError(

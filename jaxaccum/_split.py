@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccum._options import check_count
+from jaxaccum._types import Batch, PyTree
 
 
 def _label(prefix: str, path: tuple) -> str:
@@ -172,7 +173,7 @@ def _check_resize(resize: Any) -> None:
         return
 
 
-def resized_treedef(tree: Any, size: int, from_size: int | None = None) -> Any:
+def resized_treedef(tree: PyTree, size: int, from_size: int | None = None) -> PyTree:
     """``tree``'s structure with the static data of every node registered with
     a ``resize`` (:func:`register_batch_node`) resized to ``size`` rows.
 
@@ -187,7 +188,7 @@ def resized_treedef(tree: Any, size: int, from_size: int | None = None) -> Any:
     if from_size is None:
         from_size = np.shape(jax.tree.leaves(tree)[0])[0]
 
-    def resized(treedef: Any) -> Any:
+    def resized(treedef: Any) -> PyTree:
         if jax.tree_util.treedef_is_leaf(treedef):
             return treedef
         node_type, static = treedef.node_data()
@@ -221,7 +222,7 @@ def _check_resized(
     )
 
 
-def relabelled(tree: Any, from_size: int) -> Any:
+def relabelled(tree: PyTree, from_size: int) -> PyTree:
     """``tree`` with its registered nodes' static data resized from
     ``from_size`` rows to the rows its leaves have (a device's share of a
     batch under ``shard_map``)."""
@@ -389,7 +390,7 @@ def resolve_num_microbatches(
     return Split(num_microbatches, batch_size, padded_size)
 
 
-def pad_batch(batch: Any, padded_size: int) -> Any:
+def pad_batch(batch: Batch, padded_size: int) -> PyTree:
     """Appends rows to every leaf so its leading size is ``padded_size``.
 
     The rows are zeros, or for typed PRNG keys (which have no zero) copies of
@@ -429,7 +430,7 @@ def spec_names(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _axis0_devices(leaf: Any) -> tuple[tuple[str, ...], int]:
+def _axis0_devices(leaf: PyTree) -> tuple[tuple[str, ...], int]:
     """The Explicit mesh axes a leaf's axis 0 is sharded over, and their size."""
     sharding = explicit_sharding(jax.typeof(leaf))
     if sharding is None or not sharding.spec or sharding.spec[0] is None:
@@ -479,7 +480,7 @@ def check_sharded_split(
                 )
 
 
-def strided_view(batch: Any, num_microbatches: int) -> Any:
+def strided_view(batch: Batch, num_microbatches: int) -> PyTree:
     """Reshapes every leaf ``(B, ...)`` to the free view ``(B // N, N, ...)``.
 
     Under an Explicit mesh the view keeps the leaf's sharding, axis 0's devices
@@ -498,7 +499,7 @@ def strided_view(batch: Any, num_microbatches: int) -> Any:
     return jax.tree.map(view, batch)
 
 
-def take_microbatch(view: Any, index: jax.typing.ArrayLike) -> Any:
+def take_microbatch(view: PyTree, index: jax.typing.ArrayLike) -> PyTree:
     """Micro-batch ``index`` (examples ``index, index + N, ...``) of a view."""
     return jax.tree.map(
         lambda x: lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False), view
@@ -512,12 +513,12 @@ class StridedBatch(NamedTuple):
     views: list
     treedef: Any
 
-    def microbatch(self, index: jax.typing.ArrayLike) -> Any:
+    def microbatch(self, index: jax.typing.ArrayLike) -> PyTree:
         """Micro-batch ``index``, a pytree like the batch."""
         return jax.tree.unflatten(self.treedef, take_microbatch(self.views, index))
 
 
-def strided_batch(batch: Any, num_microbatches: int) -> StridedBatch:
+def strided_batch(batch: Batch, num_microbatches: int) -> StridedBatch:
     """``batch`` (of ``B`` rows, ``N`` dividing it) ready to be taken apart
     micro-batch by micro-batch; no node is rebuilt at the view's shapes."""
     leaves = jax.tree.leaves(batch)
@@ -527,7 +528,7 @@ def strided_batch(batch: Any, num_microbatches: int) -> StridedBatch:
     )
 
 
-def split_batch(batch: Any, num_microbatches: int) -> Any:
+def split_batch(batch: Batch, num_microbatches: int) -> PyTree:
     """Splits a batch into ``num_microbatches`` strided micro-batches.
 
     Micro-batch ``k`` holds examples ``k, k + N, k + 2N, ...``: the same split
@@ -559,7 +560,9 @@ def split_batch(batch: Any, num_microbatches: int) -> Any:
     )
 
 
-def pad_microbatches(batch: Any, num_microbatches: int, max_microbatches: int) -> Any:
+def pad_microbatches(
+    batch: Batch, num_microbatches: int, max_microbatches: int
+) -> PyTree:
     """Lays a batch of ``num_microbatches`` micro-batches out as one of
     ``max_microbatches``, the last ones empty (zeros; typed PRNG keys, which
     have no zero, copies of a valid key), for ``masked=True``.
@@ -612,7 +615,7 @@ def pad_microbatches(batch: Any, num_microbatches: int, max_microbatches: int) -
     rows = size // num_microbatches
     missing = max_microbatches - num_microbatches
 
-    def pad(x: Any) -> Any:
+    def pad(x: PyTree) -> PyTree:
         view = x.reshape(rows, num_microbatches, *x.shape[1:])
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # no zero: valid keys
             fill = jnp.broadcast_to(view[:, :1], (rows, missing, *x.shape[1:]))

@@ -26,7 +26,7 @@ from jaxaccum._options import (
     check_accepts_example_mask,
     check_scalar,
 )
-from jaxaccum._types import AccumKwargs, Fun
+from jaxaccum._types import AccumKwargs, Fun, PyTree
 from jaxaccum._window import (
     FiniteReport,
     MicroOut,
@@ -44,7 +44,7 @@ def value_and_grad(
     fun: Fun,
     num_microbatches: int | None = None,
     **options: Unpack[AccumKwargs],
-) -> Callable[..., Any]:
+) -> Fun:
     """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
 
     Forward + backward runs on ``N`` strided micro-batches (example ``i`` in
@@ -127,7 +127,7 @@ def value_and_grad(
 
 def grad(
     fun: Fun, num_microbatches: int | None = None, **options: Unpack[AccumKwargs]
-) -> Callable[..., Any]:
+) -> Fun:
     """Like :func:`value_and_grad` but returns only the gradient.
 
     With ``has_aux=True`` returns ``(grads, aux)``, as ``jax.grad`` does; with
@@ -162,9 +162,7 @@ def grad(
     return grads_only(make_accumulated(fun, accum_options), accum_options)
 
 
-def grads_only(
-    value_and_grad_fun: Callable[..., Any], options: AccumOptions
-) -> Callable[..., Any]:
+def grads_only(value_and_grad_fun: Fun, options: AccumOptions) -> Fun:
     """``value_and_grad_fun`` returning what ``jax.grad`` would: the gradients
     (``(grads, aux)`` with ``has_aux``), then the new state and the report."""
 
@@ -175,7 +173,7 @@ def grads_only(
         return (grads, new_state) if options.state_nums else grads
 
     @functools.wraps(value_and_grad_fun)
-    def grad_fun(*args: Any, **call_kwargs: Any) -> Any:
+    def grad_fun(*args: PyTree, **call_kwargs: PyTree) -> PyTree:
         out = value_and_grad_fun(*args, **call_kwargs)
         if options.reports:
             return only_grads(out[0]), out[1]
@@ -197,9 +195,7 @@ class _Inputs(NamedTuple):
     loss_scale: jax.Array | None = None
 
 
-def make_accumulated(
-    fun: Callable[..., Any], options: AccumOptions
-) -> Callable[..., Any]:
+def make_accumulated(fun: Fun, options: AccumOptions) -> Fun:
     """``fun`` accumulated as ``options`` say: the core of every front end.
 
     With ``options.data_axes`` (manual mesh axes the batch is split over, inside
@@ -211,7 +207,7 @@ def make_accumulated(
         check_accepts_example_mask(fun)
 
     @functools.wraps(fun)
-    def accumulated(*args: Any, **kwargs: Any) -> Any:
+    def accumulated(*args: PyTree, **kwargs: PyTree) -> PyTree:
         active = _pop_active_microbatches(kwargs, options)
         scale = pop_loss_scale(kwargs, options.loss_scale)
         check_arg_count(args, options)
@@ -248,9 +244,7 @@ def make_accumulated(
     return accumulated
 
 
-def add_call_parameters(
-    accumulated: Callable[..., Any], fun: Callable[..., Any], options: AccumOptions
-) -> None:
+def add_call_parameters(accumulated: Fun, fun: Fun, options: AccumOptions) -> None:
     """Gives ``accumulated`` ``fun``'s signature plus the keyword-only
     arguments ``options`` make it take per call (``active_microbatches``
     with ``masked``, ``loss_scale`` with ``loss_scale``), so that wrappers
@@ -339,7 +333,7 @@ def _check_differentiable(args: tuple, argnums: tuple[int, ...]) -> None:
         )
 
 
-def check_differentiable(label: str, tree: Any, fix: str) -> None:
+def check_differentiable(label: str, tree: PyTree, fix: str) -> None:
     """Every leaf of the differentiated ``tree`` (named ``label``) is float
     or complex; else a TypeError naming the leaf, ending with ``fix``."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -353,7 +347,7 @@ def check_differentiable(label: str, tree: Any, fix: str) -> None:
 
 
 def _micro_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Fun,
     args: tuple,
     kwargs: dict,
     options: AccumOptions,
@@ -566,9 +560,7 @@ def _num_means(options: AccumOptions, num_microbatches: Any) -> Any:
     return num_microbatches
 
 
-def _skip_inactive(
-    body: Callable[..., Any], carry: Any, xs: Any, active: jax.Array
-) -> Callable[..., Any]:
+def _skip_inactive(body: Fun, carry: PyTree, xs: PyTree, active: jax.Array) -> Fun:
     """``body`` for micro-batches below ``active``; above it, the carry
     unchanged and zeros out (weight 0, finite), not computed."""
     out_shape = jax.eval_shape(body, carry, xs)[1]
@@ -594,14 +586,14 @@ def _gathered(diff: tuple, options: AccumOptions, index: Any = None) -> tuple:
     return diff if shards is None else shards.gather(diff, in_window=False)
 
 
-def _invalid_unless(valid: jax.Array | None, tree: Any) -> Any:
+def _invalid_unless(valid: jax.Array | None, tree: PyTree) -> Any:
     """``tree`` where ``valid`` (traced) holds, else no plausible number: NaN
     in float leaves, False in bool ones (the finite flags), the dtype's most
     negative value in integer ones (its largest if unsigned)."""
     if valid is None:
         return tree
 
-    def invalid(leaf: Any) -> Any:
+    def invalid(leaf: PyTree) -> Any:
         leaf = jnp.asarray(leaf)
         dtype = leaf.dtype
         if jnp.issubdtype(dtype, jnp.inexact):
@@ -621,7 +613,7 @@ def _invalid_unless(valid: jax.Array | None, tree: Any) -> Any:
 
 def _package(
     out: WindowOut, options: AccumOptions, valid: Any = None, scale: Any = None
-) -> Any:
+) -> PyTree:
     """The window's result in the layout ``value_and_grad`` documents;
     ``valid`` (traced, for ``masked``) false makes the value, aux, gradients
     and report invalid (see :func:`_invalid_unless`), the new state aside;

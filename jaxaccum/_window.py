@@ -19,6 +19,7 @@ from jaxaccum._noise_scale import MicroStats, squared_norm, unscaled_squared_nor
 from jaxaccum._options import AUX_REDUCTIONS, PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._split import Split, explicit_sharding
+from jaxaccum._types import Fun, Grads, PyTree
 
 
 class MicroOut(NamedTuple):
@@ -31,8 +32,8 @@ class MicroOut(NamedTuple):
       new_state: the new value of each ``state_argnums`` argument, a tuple.
     """
 
-    weight: Any
-    aux: Any
+    weight: PyTree
+    aux: PyTree
     new_state: tuple
 
 
@@ -50,11 +51,11 @@ class MicroResult(NamedTuple):
 
     value: Any
     out: MicroOut
-    grads: Any
+    grads: Grads
     share: Any
 
 
-def weighted_pair(loss: Any, fun: str) -> tuple[Any, Any]:
+def weighted_pair(loss: PyTree, fun: str) -> tuple[Any, Any]:
     """A weighted reduction's ``(loss_sum, weight)``, as the loss function
     (named ``fun`` in messages) must return it: a pair, the weight a scalar."""
     if not (isinstance(loss, tuple | list) and len(loss) == 2):
@@ -72,7 +73,7 @@ def weighted_pair(loss: Any, fun: str) -> tuple[Any, Any]:
     return loss[0], loss[1]
 
 
-def aux_pair(out: Any, fun: str) -> tuple[Any, Any]:
+def aux_pair(out: PyTree, fun: str) -> tuple[Any, Any]:
     """``(loss, aux)``, as a function (named ``fun`` in messages) built with
     ``has_aux=True`` must return it: a pair."""
     if not (isinstance(out, tuple | list) and len(out) == 2):
@@ -86,8 +87,8 @@ def aux_pair(out: Any, fun: str) -> tuple[Any, Any]:
 
 
 def microbatch_share(
-    options: AccumOptions, num_means: Any, weight: Any, dtype: Any = jnp.float32
-) -> Any:
+    options: AccumOptions, num_means: Any, weight: PyTree, dtype: Any = jnp.float32
+) -> PyTree:
     """What one micro-batch's loss is multiplied by before its backward pass,
     so that every cotangent in it is the big batch's for the same examples
     (low-precision formats, FP8's amax histories, see the big batch's ranges).
@@ -154,7 +155,7 @@ def sum_dtype(dtype: Any, accum_dtype: Any) -> Any:
     return jnp.promote_types(accum_dtype_for(dtype, accum_dtype), jnp.float32)
 
 
-def normalized_value(options: AccumOptions, value: Any, weight: Any, num_means: Any):
+def normalized_value(options: AccumOptions, value: Any, weight: PyTree, num_means: Any):
     """The window's value from its loss sum: over ``num_means`` micro-batches
     (mean), as it is (sum), or over the total weight (weighted; 0 at 0)."""
     if options.reduction == "weighted":
@@ -219,7 +220,7 @@ class AuxPlan:
             return sum_dtype(dtype, accum_dtype)
         return accum_dtype_for(dtype, accum_dtype)
 
-    def carry(self, aux: Any) -> list:
+    def carry(self, aux: PyTree) -> list:
         """One micro-batch's aux leaves (every one reduced by mean or sum)
         in the dtypes their sums are carried in."""
         return [
@@ -253,7 +254,7 @@ class AuxPlan:
             if not self._stacked(reduction)
         ]
 
-    def update(self, carry: list, aux: Any) -> tuple[list, list]:
+    def update(self, carry: list, aux: PyTree) -> tuple[list, list]:
         """Folds one micro-batch's aux into the carry; returns (carry, stacked)."""
         carried = iter(carry)
         new_carry, stacked = [], []
@@ -300,8 +301,8 @@ class Sums(NamedTuple):
     """The running sums of a window (the scan carry, state aside)."""
 
     value: jax.Array
-    weight: Any
-    grads: Any
+    weight: PyTree
+    grads: Grads
     aux: list
 
 
@@ -355,7 +356,7 @@ class Window:
             return _metadata.lowest(aval)
         return self._zeros(aval)
 
-    def _map_grads(self, fun: Any, *trees: Any) -> Any:
+    def _map_grads(self, fun: Fun, *trees: PyTree) -> PyTree:
         """``fun(index, *leaves)`` over gradient-shaped trees."""
         flat = [jax.tree.leaves(tree) for tree in trees]
         out = [fun(i, *leaves) for i, leaves in enumerate(zip(*flat, strict=True))]
@@ -541,8 +542,8 @@ class WindowResult(NamedTuple):
     the window's sums are all finite (else None)."""
 
     value: Any
-    aux: Any
-    grads: Any
+    aux: PyTree
+    grads: Grads
     grad_sq_norm: jax.Array | None
     finite: jax.Array | None = None
 

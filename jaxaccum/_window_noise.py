@@ -9,7 +9,7 @@ N`` (``W`` the window's weight).
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jaxaccum._noise_scale import (
     squared_norm,
 )
 from jaxaccum._reduce import divide_by_total_weight
+from jaxaccum._types import Grads
 
 
 class WindowNoise(NamedTuple):
@@ -47,7 +48,7 @@ def init_window_noise() -> WindowNoise:
 
 def add_call(
     noise: WindowNoise,
-    updates: Any,
+    updates: Grads,
     weight: jax.Array | None,
     into_window: Callable[[jax.Array, jax.Array], jax.Array],
 ) -> WindowNoise:
@@ -65,7 +66,7 @@ def add_call(
     )
 
 
-def emitted(noise: WindowNoise, acc_grads: Any, acc_weight: jax.Array) -> WindowNoise:
+def emitted(noise: WindowNoise, acc_grads: Grads, acc_weight: jax.Array) -> WindowNoise:
     """``noise`` at the emitting call: with ``|G_B|^2`` of the window's mean
     gradient, ``acc_grads / acc_weight``."""
     mean = divide_by_total_weight(

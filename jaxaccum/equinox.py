@@ -43,7 +43,7 @@ from jaxaccum._options import (
     AccumOptions,
     check_accepts_example_mask,
 )
-from jaxaccum._types import FilterCompareKwargs, FilterKwargs, Fun, PyTree
+from jaxaccum._types import FilterCompareKwargs, FilterKwargs, Fun, Params, PyTree
 from jaxaccum._value_and_grad import (
     add_call_parameters,
     grads_only,
@@ -61,11 +61,11 @@ __all__ = [
 ]
 
 
-def _on_arrays(fun: Callable[..., Any], model: Any) -> tuple[Callable, Any]:
+def _on_arrays(fun: Fun, model: Params) -> tuple[Callable, Any]:
     """``fun`` as a function of the model's inexact arrays, and those arrays."""
     arrays, static = eqx.partition(model, eqx.is_inexact_array)
 
-    def on_arrays(arrays: Any, *args: Any, **kwargs: Any) -> Any:
+    def on_arrays(arrays: PyTree, *args: PyTree, **kwargs: PyTree) -> PyTree:
         return fun(eqx.combine(arrays, static), *args, **kwargs)
 
     return on_arrays, arrays
@@ -75,7 +75,7 @@ def filter_value_and_grad(
     fun: Fun,
     num_microbatches: int | None = None,
     **options: Unpack[FilterKwargs],
-) -> Callable[..., Any]:
+) -> Fun:
     """``eqx.filter_value_and_grad`` over micro-batches.
 
     Differentiates the inexact-array leaves of ``fun``'s first argument (the
@@ -138,7 +138,7 @@ def filter_value_and_grad(
         check_accepts_example_mask(fun)
 
     @functools.wraps(fun)
-    def accumulated(model: Any, *args: Any, **kwargs: Any) -> Any:
+    def accumulated(model: Params, *args: PyTree, **kwargs: PyTree) -> PyTree:
         on_arrays, arrays = _on_arrays(fun, model)
         return make_accumulated(on_arrays, accum_options)(arrays, *args, **kwargs)
 
@@ -157,7 +157,7 @@ def _options(
 
 def filter_grad(
     fun: Fun, num_microbatches: int | None = None, **options: Unpack[FilterKwargs]
-) -> Callable[..., Any]:
+) -> Fun:
     """``eqx.filter_grad`` over micro-batches: :func:`filter_value_and_grad`'s
     gradients alone (``(grads, aux)`` with ``has_aux``, as ``eqx.filter_grad``
     returns them).

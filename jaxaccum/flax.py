@@ -50,7 +50,15 @@ from jaxaccum._options import (
     AccumOptions,
     check_accepts_example_mask,
 )
-from jaxaccum._types import FlaxCompareKwargs, FlaxKwargs, Fun
+from jaxaccum._types import (
+    Batch,
+    FlaxCompareKwargs,
+    FlaxKwargs,
+    Fun,
+    Grads,
+    Params,
+    PyTree,
+)
 from jaxaccum._value_and_grad import make_accumulated
 
 if TYPE_CHECKING:
@@ -123,7 +131,7 @@ def linen_value_and_grad(
     mutable: str | Sequence[str] = (),
     has_aux: bool = False,
     **value_and_grad_kwargs: Unpack[FlaxKwargs],
-) -> Callable[..., Any]:
+) -> Fun:
     """Accumulates a loss that calls a Linen ``model.apply``, state and rngs too.
 
     The ``"params"`` collection is differentiated; the ``mutable`` collections
@@ -187,8 +195,12 @@ def linen_value_and_grad(
     }
 
     def accumulated(
-        variables: Any, batch: Any, *args: Any, rngs: Any = None, **kwargs: Any
-    ) -> Any:
+        variables: Params,
+        batch: Batch,
+        *args: PyTree,
+        rngs: Any = None,
+        **kwargs: PyTree,
+    ) -> PyTree:
         params, state, others = _linen_split(variables, collections)
         fp8 = _holds_metadata(params)
         return accumulate[fp8](params, state, batch, rngs, others, *args, **kwargs)
@@ -197,7 +209,7 @@ def linen_value_and_grad(
 
 
 def _linen_loss(
-    fun: Callable[..., Any], collections: tuple[str, ...], has_aux: bool, fp8: bool
+    fun: Fun, collections: tuple[str, ...], has_aux: bool, fp8: bool
 ) -> Callable:
     """``fun`` as ``loss(params, state, batch, rngs, others, *args)``; with
     ``fp8``, ``params`` holds the ``params`` and FP8 metadata collections."""
@@ -228,7 +240,7 @@ def _linen_loss(
     return loss
 
 
-def _looks_like_updates(out: Any) -> bool:
+def _looks_like_updates(out: PyTree) -> bool:
     return (
         isinstance(out, tuple)
         and len(out) == 2
@@ -237,12 +249,12 @@ def _looks_like_updates(out: Any) -> bool:
     )
 
 
-def _holds_metadata(params: Any) -> bool:
+def _holds_metadata(params: Params) -> bool:
     """Whether ``params`` is Flax's FP8 layout: ``params`` and its metadata."""
     return isinstance(params, dict) and OVERWRITE_WITH_GRADIENT in params
 
 
-def _linen_split(variables: Any, collections: tuple[str, ...]) -> tuple:
+def _linen_split(variables: Params, collections: tuple[str, ...]) -> tuple:
     """``variables`` as (params, mutable collections, other collections); the
     params are ``{"params": ..., "_overwrite_with_gradient": ...}`` where the
     variables hold FP8 metadata (differentiated with the parameters, as
@@ -272,9 +284,9 @@ def _linen_split(variables: Any, collections: tuple[str, ...]) -> tuple:
 
 def linen_diagnose(
     fun: Fun,
-    variables: Any,
-    batch: Any,
-    *args: Any,
+    variables: Params,
+    batch: Batch,
+    *args: PyTree,
     num_microbatches: int | None = None,
     mutable: str | Sequence[str] = (),
     rngs: Any = None,
@@ -350,7 +362,7 @@ def linen_train_step(
     mutable: str | Sequence[str] = (),
     has_aux: bool = False,
     **value_and_grad_kwargs: Unpack[FlaxKwargs],
-) -> Callable[..., Any]:
+) -> Fun:
     """A ``TrainState`` step: accumulate a window, then one ``apply_gradients``.
 
     Runs :func:`linen_value_and_grad` on ``{"params": state.params, <each
@@ -415,10 +427,10 @@ def linen_train_step(
 
     def step(
         state: train_state.TrainState,
-        batch: Any,
-        *args: Any,
+        batch: Batch,
+        *args: PyTree,
         rngs: Any = None,
-        **kwargs: Any,
+        **kwargs: PyTree,
     ) -> tuple:
         missing = [name for name in collections if not hasattr(state, name)]
         if missing:
@@ -441,7 +453,7 @@ def linen_train_step(
     return step
 
 
-def _train_state_variables(params: Any) -> dict:
+def _train_state_variables(params: Params) -> dict:
     """A ``TrainState``'s ``params`` as Linen variables: Flax's FP8 recipe
     keeps the whole variables there (``params`` and the FP8 metadata)."""
     params = flax.core.unfreeze(params)
@@ -489,7 +501,7 @@ class TrainState(train_state.TrainState):
     """
 
     @classmethod
-    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> Any:
+    def create(cls, *, apply_fn: Any, params: Params, tx: Any, **kwargs: PyTree) -> Any:
         """As Flax's ``create``; a `MultiSteps` ``tx`` also holds the metadata."""
         multisteps = _multisteps_of(tx)
         if multisteps is None or OVERWRITE_WITH_GRADIENT not in params:
@@ -506,7 +518,7 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
-    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> Any:
+    def apply_gradients(self, *, grads: Grads, **kwargs: PyTree) -> Any:
         """As Flax's; the metadata held for a `MultiSteps` window (above)."""
         multisteps = _multisteps_of(self.tx)
         if multisteps is None or OVERWRITE_WITH_GRADIENT not in grads:
@@ -535,7 +547,7 @@ def nnx_value_and_grad(
     wrt: Any = nnx.Param,
     has_aux: bool = False,
     **value_and_grad_kwargs: Unpack[FlaxKwargs],
-) -> Callable[..., Any]:
+) -> Fun:
     """``nnx.value_and_grad`` over micro-batches, the model's state carried in order.
 
     The model's ``wrt`` Variables are differentiated; every other Variable
@@ -594,7 +606,9 @@ def nnx_value_and_grad(
     if options.pad:
         check_accepts_example_mask(fun)
 
-    def accumulated(model: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def accumulated(
+        model: Params, batch: Batch, *args: PyTree, **kwargs: PyTree
+    ) -> PyTree:
         _check_no_graph_nodes(args)
         micro_loss, params, state = _nnx_loss(fun, model, wrt)
         out = make_accumulated(micro_loss, options)(
@@ -610,9 +624,9 @@ def nnx_value_and_grad(
 
 def nnx_diagnose(
     fun: Fun,
-    model: Any,
-    batch: Any,
-    *args: Any,
+    model: Params,
+    batch: Batch,
+    *args: PyTree,
     num_microbatches: int | None = None,
     wrt: Any = nnx.Param,
     rtol: float = 1e-5,
@@ -682,7 +696,7 @@ def _check_no_graph_nodes(args: tuple) -> None:
             )
 
 
-def _nnx_loss(fun: Callable[..., Any], model: Any, wrt: Any) -> tuple:
+def _nnx_loss(fun: Fun, model: Params, wrt: Any) -> tuple:
     """``fun`` as ``loss(params, state, batch, *args) -> (out, new_state)``, with
     the model's ``wrt`` Variables as ``params`` and the rest as ``state``."""
     graphdef, *states = nnx.split(model, wrt, ...)

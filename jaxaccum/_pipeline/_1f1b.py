@@ -35,6 +35,7 @@ from jaxaccum._pipeline._device import (
     varying,
 )
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._types import Batch, Grads, PyTree
 from jaxaccum._window import accum_dtype_for, microbatch_share
 
 
@@ -47,7 +48,7 @@ class _Pullback(NamedTuple):
     where: tuple[int, ...]
 
 
-def _forward(stage: Any, given: Any, x: Any) -> tuple[Any, list, _Pullback]:
+def _forward(stage: Any, given: PyTree, x: PyTree) -> tuple[Any, list, _Pullback]:
     """``stage(given, x)`` and its backward's residuals less ``given``'s
     leaves (the parameters and key: a ring slot would copy the stage's
     parameters), with how to rebuild the pullback."""
@@ -61,7 +62,7 @@ def _forward(stage: Any, given: Any, x: Any) -> tuple[Any, list, _Pullback]:
     return y, saved, _Pullback(treedef, where)
 
 
-def _backward(pullback: _Pullback, given: Any, saved: list, cotangent: Any):
+def _backward(pullback: _Pullback, given: PyTree, saved: list, cotangent: PyTree):
     """The cotangents of ``(given, x)`` from a ring slot's residuals."""
     known, rest = jax.tree.leaves(given), iter(saved)
     leaves = [known[i] if i >= 0 else next(rest) for i in pullback.where]
@@ -87,7 +88,7 @@ class _Carry(NamedTuple):
       sums: the :class:`LossOut` summed over the micro-batches so far.
     """
 
-    incoming: Any
+    incoming: PyTree
     back: _Message
     ring: list
     grads: tuple
@@ -118,12 +119,12 @@ class _Window(NamedTuple):
     share_dtype: Any
 
 
-def _floats(tree: Any) -> list:
+def _floats(tree: PyTree) -> list:
     """The inexact leaves of ``tree`` (the ones with cotangents)."""
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def _full_cotangent(like: Any, floats: list) -> Any:
+def _full_cotangent(like: PyTree, floats: list) -> PyTree:
     """A cotangent for ``like``: ``floats`` in its inexact leaves, float0
     zeros in its integer and bool leaves."""
     rest = iter(floats)
@@ -136,14 +137,14 @@ def _full_cotangent(like: Any, floats: list) -> Any:
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
-def _added(total: Any, grad: Any, factor: Any) -> Any:
+def _added(total: PyTree, grad: Grads, factor: Any) -> PyTree:
     """``total + grad * factor`` leaf by leaf, in ``total``'s dtypes."""
     return jax.tree.map(
         lambda t, g: t + (g.astype(t.dtype) * factor).astype(t.dtype), total, grad
     )
 
 
-def _own_sq(window: _Window, grad: Any, share: jax.Array) -> jax.Array:
+def _own_sq(window: _Window, grad: Grads, share: jax.Array) -> jax.Array:
     """The squared norm of the loss's own gradient, from ``grad`` (at the
     micro-batch's share and the loss scale, divided out leaf by leaf before
     squaring; the share after, twice)."""
@@ -175,7 +176,7 @@ def _stage_call(device: Device):
     return lambda given, x: device.calls.bare_stage(given[0], 0, x, given[1])
 
 
-def _cond(device: Device, pred: Any, on_true, on_false, *operands: Any) -> Any:
+def _cond(device: Device, pred: Any, on_true, on_false, *operands: PyTree) -> PyTree:
     """``lax.cond`` on this device's ``pred``, both branches' results typed
     varying over the manual axes (a branch's constant and the other's
     per-device value are one type)."""
@@ -235,7 +236,7 @@ def _axes(device: Device) -> tuple[str, ...]:
     return device.options.layout.manual_axes
 
 
-def _loss_slot(window: _Window, carry: _Carry, y: Any, tick: Any):
+def _loss_slot(window: _Window, carry: _Carry, y: PyTree, tick: Any):
     """On the last stage, micro-batch ``tick.microbatch``'s loss and the
     start of its backward: the loss's ``jax.vjp`` seeded with its share
     (times the loss scale). Returns the carry's head gradient and sums, the
@@ -400,7 +401,7 @@ def _initial(window: _Window, shapes: Shapes) -> _Carry:
 
 
 def run_window(
-    static: Static, skip: bool, params: tuple, batch: Any, key: Any, loss_scale: Any
+    static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
 ):
     """One device's 1F1B window under ``shard_map``.
 
@@ -439,7 +440,7 @@ def _results(carry: _Carry, per_tick: tuple, schedule: Schedule, fsdp_dims, opti
     num, lag = schedule.num_microbatches, schedule.num_stages - 1
     loss, weight, embed_sq, stage_sq, head_sq = per_tick
 
-    def on(x: Any, start: int) -> Any:  # the ticks of micro-batches 0..M-1
+    def on(x: PyTree, start: int) -> Any:  # the ticks of micro-batches 0..M-1
         return jax.tree.map(lambda y: y[start : start + num].reshape(1, 1, num), x)
 
     per_micro = LossOut(on(loss, lag), on(weight, lag), ())

@@ -13,6 +13,7 @@ from jax import lax
 
 from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._options import AccumOptions
+from jaxaccum._types import Fun, PyTree, Remat
 from jaxaccum._window import (
     AuxPlan,
     accum_dtype_for,
@@ -32,8 +33,8 @@ class LossOut(NamedTuple):
     """
 
     loss: jax.Array
-    weight: Any
-    aux: Any
+    weight: PyTree
+    aux: PyTree
 
 
 class Calls(NamedTuple):
@@ -61,15 +62,15 @@ class Calls(NamedTuple):
         the 1F1B loop takes its ``jax.vjp`` and gates the result itself.
     """
 
-    embed: Callable[..., Any]
-    stage: Callable[..., Any]
+    embed: Fun
+    stage: Fun
     loss: Callable[..., LossOut]
     own_stages: Callable[[Any], Any]
     own_loss: Callable[..., LossOut]
-    bare_stage: Callable[..., Any]
+    bare_stage: Fun
 
 
-def takes_key(fn: Callable[..., Any] | None) -> bool:
+def takes_key(fn: Fun | None) -> bool:
     """Whether ``fn`` takes a keyword argument ``key`` (or ``**kwargs``)."""
     if fn is None:
         return False
@@ -85,15 +86,15 @@ def takes_key(fn: Callable[..., Any] | None) -> bool:
     )
 
 
-def _keyword(fn: Callable[..., Any] | None, key: Any) -> dict:
+def _keyword(fn: Fun | None, key: Any) -> dict:
     """``{"key": key}`` for a function that takes it and a key, else ``{}``."""
     return {"key": key} if key is not None and takes_key(fn) else {}
 
 
-def _as_loss_out(out: Any, options: AccumOptions) -> LossOut:
+def _as_loss_out(out: PyTree, options: AccumOptions) -> LossOut:
     """``loss_fn``'s result as a :class:`LossOut`, in its own dtypes."""
     loss, aux = aux_pair(out, "loss_fn") if options.has_aux else (out, ())
-    weight: Any = ()
+    weight: PyTree = ()
     if options.reduction == "weighted":
         loss, weight = weighted_pair(loss, "loss_fn")
         weight = jnp.asarray(weight)
@@ -128,26 +129,26 @@ _RECOMPUTED = (
 )
 
 
-def _stage_policy(remat: Any) -> Callable[..., bool]:
+def _stage_policy(remat: Remat) -> Callable[..., bool]:
     """The stage's checkpoint policy: everything saveable except the data
     movement of :data:`_RECOMPUTED` (so the tick's parameters are sliced
     again in the backward pass, not saved per tick); with ``remat``, only
     what its policy saves (nothing, for ``True``)."""
 
-    def saveable(prim: Any, *_: Any, **__: Any) -> bool:
+    def saveable(prim: Any, *_: PyTree, **__: Any) -> bool:
         return prim not in _RECOMPUTED
 
     if not remat:
         return saveable
     user = jax.checkpoint_policies.nothing_saveable if remat is True else remat
 
-    def policy(prim: Any, *args: Any, **kwargs: Any) -> bool:
+    def policy(prim: Any, *args: PyTree, **kwargs: PyTree) -> bool:
         return saveable(prim) and user(prim, *args, **kwargs)
 
     return policy
 
 
-def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., Any]:
+def _gated_stage(stage: Fun, accum_dtype: Any) -> Fun:
     """``stage(own, repeat, x, key)`` as ``gated(accum, own, repeat, valid,
     probe, x, key)``, whose backward pass selects its cotangents away unless
     ``valid`` (a bubble's gradient is 0, even where what it computed on gives
@@ -195,9 +196,9 @@ def _gated_stage(stage: Callable[..., Any], accum_dtype: Any) -> Callable[..., A
 
 
 def make_calls(
-    stage_fn: Callable[..., Any],
-    loss_fn: Callable[..., Any],
-    embed_fn: Callable[..., Any] | None,
+    stage_fn: Fun,
+    loss_fn: Fun,
+    embed_fn: Fun | None,
     options: AccumOptions,
     like: tuple,
 ) -> Calls:

@@ -12,21 +12,22 @@ from jaxaccum import _split
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, LossOut
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._types import Batch, Params, PyTree
 
 
-def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+def select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     """``jnp.where`` leaf by leaf: a select, so a NaN in the branch not taken
     reaches neither the value nor, in the backward pass, the cotangent."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def varying(tree: Any, axes: tuple[str, ...]) -> Any:
+def varying(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     """``tree`` typed as varying over every axis of ``axes``. Parameters
     cast before the loop have their gradients all-reduced once, after it, by
     the transpose of this cast (were it left to JAX, inside the loop, the
     reduction could land there: once per tick)."""
 
-    def cast(x: Any) -> Any:
+    def cast(x: PyTree) -> PyTree:
         already = jax.typeof(x).manual_axis_type.varying
         missing = tuple(a for a in axes if a not in already)
         return lax.pcast(x, missing, to="varying") if missing else x
@@ -38,7 +39,7 @@ class Shapes(NamedTuple):
     """The shapes of one micro-batch's activation ``x`` and loss (as the
     window sums it, and in ``loss_fn``'s own dtypes)."""
 
-    x: Any
+    x: PyTree
     loss: LossOut
     own: LossOut
 
@@ -61,16 +62,16 @@ class Device(NamedTuple):
     schedule: Schedule
     stage: jax.Array
     embed: Any
-    stages: Any
+    stages: Params
     own_stages: Any
     head: Any
     batch: _split.StridedBatch
-    keys: Any
+    keys: PyTree
     fill: Any
     no_loss: LossOut
 
 
-def fill_like(shapes: Any, value: float) -> Any:
+def fill_like(shapes: PyTree, value: float) -> PyTree:
     """Arrays of ``shapes`` holding ``value`` (0 in non-float leaves)."""
 
     def full(s: Any) -> jax.Array:
@@ -80,7 +81,7 @@ def fill_like(shapes: Any, value: float) -> Any:
     return jax.tree.map(full, shapes)
 
 
-def microbatch_keys(key: Any, options: AccumOptions, num: int) -> Any:
+def microbatch_keys(key: Any, options: AccumOptions, num: int) -> PyTree:
     """Micro-batch ``k``'s key is ``split(key, M)[k]``, after folding in the
     data shard's index: the same for every tick and stage that carries it."""
     if key is None:
@@ -90,7 +91,7 @@ def microbatch_keys(key: Any, options: AccumOptions, num: int) -> Any:
     return jax.random.split(key, num)
 
 
-def microbatch_key(device: Device, index: Any, layer: Any) -> Any:
+def microbatch_key(device: Device, index: Any, layer: Any) -> PyTree:
     """The key of micro-batch ``index`` at model stage ``layer`` (``S R``
     for the embedding, ``S R + 1`` for the loss), None without a key."""
     if device.keys is None:
@@ -119,7 +120,7 @@ class Static(NamedTuple):
     bubble_fill: float
 
 
-def make_device(static: Static, params: tuple, batch: Any, key: Any) -> Device:
+def make_device(static: Static, params: tuple, batch: Batch, key: Any) -> Device:
     """This device's :class:`Device` under ``shard_map``, either schedule:
     its ``(embed, stages, head)`` (its stages' ``(R, ...)``; FSDP leaves
     gathered once, before the loop, their gradients reduce-scattered once,

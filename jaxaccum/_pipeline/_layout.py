@@ -15,13 +15,14 @@ from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, make_calls
 from jaxaccum._pipeline._device import Shapes
 from jaxaccum._pipeline._schedule import Schedule, schedule_on
+from jaxaccum._types import Batch, Params, PyTree
 
 
 def explicit(mesh: Any) -> bool:
     return any(kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)
 
 
-def place(tree: Any, mesh: Any, spec: PartitionSpec) -> Any:
+def place(tree: PyTree, mesh: Any, spec: PartitionSpec) -> PyTree:
     """``tree`` sharded as ``spec`` says (over Explicit axes ``shard_map``
     does not reshard its inputs; over Auto ones it does)."""
     if not explicit(mesh):
@@ -83,7 +84,7 @@ def check_callable_mesh(mesh: Mesh | AbstractMesh | None) -> None:
         )
 
 
-def _check_stage_params(stages: Any, schedule: Schedule) -> None:
+def _check_stage_params(stages: Params, schedule: Schedule) -> None:
     """Every stage leaf stacks one slice per model stage: ``S * R`` of them."""
     needed = schedule.num_stages * schedule.repeats
     for path, leaf in jax.tree_util.tree_leaves_with_path(stages):
@@ -98,7 +99,7 @@ def _check_stage_params(stages: Any, schedule: Schedule) -> None:
             )
 
 
-def with_microbatch_count(options: AccumOptions, batch: Any, mesh: Any) -> Any:
+def with_microbatch_count(options: AccumOptions, batch: Batch, mesh: Any) -> PyTree:
     """``options`` with this batch's ``M`` (given, or read off the batch from
     ``microbatch_size``, rows per micro-batch on each data shard), checked to
     split the batch into pieces of equal rows on every data shard."""
@@ -127,7 +128,7 @@ def with_microbatch_count(options: AccumOptions, batch: Any, mesh: Any) -> Any:
     )
 
 
-def _microbatch_rows(batch: Any, options: AccumOptions, mesh: Any, num: int) -> int:
+def _microbatch_rows(batch: Batch, options: AccumOptions, mesh: Any, num: int) -> int:
     """Rows of one micro-batch on one data shard (:func:`with_microbatch_count`
     checked that they split)."""
     size = _split.batch_size_of([("batch", batch)])
@@ -135,13 +136,13 @@ def _microbatch_rows(batch: Any, options: AccumOptions, mesh: Any, num: int) -> 
     return size // (num * shards)
 
 
-def _describe(tree: Any) -> str:
+def _describe(tree: PyTree) -> str:
     shapes = jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", tree)
     return str(shapes)
 
 
 def _shapes(
-    calls: Calls, like: tuple, batch: Any, key: Any, rows: int, repeats: int
+    calls: Calls, like: tuple, batch: Batch, key: Any, rows: int, repeats: int
 ) -> Shapes:
     """One micro-batch's activation and loss shapes; a stage that changes
     the activation, or a loss that is not a scalar, is refused."""
@@ -156,7 +157,7 @@ def _shapes(
         lambda s: jax.ShapeDtypeStruct((repeats, *s.shape), s.dtype), stage
     )
     y = jax.eval_shape(calls.stage, stages, stages, 0, True, None, x, key)
-    x_tree: Any = jax.tree.structure(x)  # jaxlib's stubs leave PyTreeDef unresolved
+    x_tree: PyTree = jax.tree.structure(x)  # jaxlib's stubs leave PyTreeDef unresolved
     same = x_tree == jax.tree.structure(y) and all(
         (a.shape, a.dtype) == (b.shape, b.dtype)
         for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)
@@ -184,7 +185,7 @@ def _shapes(
     return Shapes(x, jax.eval_shape(calls.loss, head, x, micro, key), own)
 
 
-def _abstract(tree: Any, one_stage: bool = False) -> Any:
+def _abstract(tree: PyTree, one_stage: bool = False) -> PyTree:
     """Shapes and dtypes of ``tree``'s leaves (of one stage's slice)."""
     return jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(
@@ -301,7 +302,7 @@ def layout_specs(prepared: Prepared, options: AccumOptions) -> tuple:
     )
 
 
-def unpack_params(params: Any) -> tuple:
+def unpack_params(params: Params) -> tuple:
     """``params`` as ``(embed, stages, head)``, checked: a sequence of 3."""
     if not (isinstance(params, tuple | list) and len(params) == 3):
         got = type(params).__name__
@@ -315,7 +316,7 @@ def unpack_params(params: Any) -> tuple:
     return tuple(params)
 
 
-def like_container(grads: tuple, params: Any) -> Any:
+def like_container(grads: tuple, params: Params) -> PyTree:
     """``grads`` in ``params``' own sequence type (a list, a NamedTuple):
     the gradients have the parameters' structure, for ``optax``."""
     if type(params) is tuple:

@@ -4,7 +4,6 @@ micro-batch, the ticks run (activations handed on by ``ppermute``,
 recirculated for ``repeats > 1``), the last stage takes every loss."""
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,10 +21,11 @@ from jaxaccum._pipeline._device import (
     select,
     varying,
 )
+from jaxaccum._types import Batch, Fun, PyTree
 
 
 @jax.custom_vjp
-def _probe(tree: Any, probe: jax.Array) -> Any:
+def _probe(tree: PyTree, probe: jax.Array) -> PyTree:
     """``tree`` unchanged; in the backward pass the cotangent of ``probe``
     is the float32 squared norm of ``tree``'s divided by ``probe``'s value
     (the loss scale, or 1) before squaring (``report_stats``)."""
@@ -33,11 +33,11 @@ def _probe(tree: Any, probe: jax.Array) -> Any:
     return tree
 
 
-def _probe_fwd(tree: Any, probe: jax.Array) -> tuple[Any, jax.Array]:
+def _probe_fwd(tree: PyTree, probe: jax.Array) -> tuple[Any, jax.Array]:
     return tree, probe
 
 
-def _probe_bwd(probe: jax.Array, cotangent: Any) -> tuple[Any, jax.Array]:
+def _probe_bwd(probe: jax.Array, cotangent: PyTree) -> tuple[Any, jax.Array]:
     return cotangent, jnp.zeros_like(probe) + unscaled_squared_norm(cotangent, probe)
 
 
@@ -54,16 +54,16 @@ class _Carry(NamedTuple):
         ``M - S``), else ``()``.
     """
 
-    incoming: Any
-    waiting: Any
+    incoming: PyTree
+    waiting: PyTree
 
 
-def _map(fn: Callable[..., Any], xs: tuple, unroll: int | bool) -> Any:
+def _map(fn: Fun, xs: tuple, unroll: int | bool) -> PyTree:
     """``fn(*x)`` for each ``x`` of ``xs`` (split on axis 0), stacked: a scan."""
     return lax.scan(lambda _, x: (None, fn(*x)), None, xs, unroll=unroll)[1]
 
 
-def _embedded(device: Device, probes: jax.Array | None) -> Any:
+def _embedded(device: Device, probes: jax.Array | None) -> PyTree:
     """``(M, ...)``: every micro-batch embedded, on the first stage's device
     (the fill elsewhere), before the loop: one conditional per window."""
     num, schedule = device.schedule.num_microbatches, device.schedule
@@ -148,12 +148,12 @@ def _tick(device: Device, carry: _Carry, xs: tuple) -> tuple[_Carry, Any]:
     return _Carry(incoming, waiting), select(tick.exits, y, device.fill)
 
 
-def _repeated(tree: Any, count: int) -> Any:
+def _repeated(tree: PyTree, count: int) -> PyTree:
     """``tree``'s leaves stacked ``count`` times on a new axis 0."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), tree)
 
 
-def _run_ticks(device: Device, entering: Any, probes: jax.Array | None) -> Any:
+def _run_ticks(device: Device, entering: Any, probes: jax.Array | None) -> PyTree:
     """The loop: ``T`` ticks; returns ``(M, ...)``, each micro-batch's
     activation as it left the last stage (on the last stage's device).
 
@@ -179,7 +179,7 @@ def _run_ticks(device: Device, entering: Any, probes: jax.Array | None) -> Any:
 
 
 def on_device(
-    static: Static, params: tuple, probes: Probes | None, batch: Any, key: Any
+    static: Static, params: tuple, probes: Probes | None, batch: Batch, key: Any
 ) -> tuple[jax.Array, tuple[LossOut, LossOut]]:
     """One device's window under ``shard_map``.
 

@@ -35,7 +35,15 @@ from jaxaccum._pipeline._layout import prepare, resolve_mesh, unpack_params
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._step import make_pipeline
 from jaxaccum._plan import format_bytes, parse_memory_budget, total_bytes
-from jaxaccum._types import Fun, Params, PipelinePlanKwargs, PyTree, ScheduleName
+from jaxaccum._types import (
+    Batch,
+    Fun,
+    Params,
+    PipelinePlanKwargs,
+    PyTree,
+    Remat,
+    ScheduleName,
+)
 
 _ASSUMED_RECOMPUTE = 1 / 3  # a backward pass twice the forward's FLOPs
 
@@ -62,7 +70,7 @@ class PipelinePlanRow:
 
     num_microbatches: int
     schedule: str
-    remat: Any
+    remat: Remat
     batch_size: int
     bubble: float
     efficiency: float
@@ -96,7 +104,7 @@ class PipelinePlan:
 
     num_microbatches: int
     schedule: str
-    remat: Any
+    remat: Remat
     microbatch_rows: int
     batch_size: int
     bubble: float
@@ -121,7 +129,7 @@ class PipelinePlan:
         return header + "\n" + _table(self.rows, self)
 
 
-def efficiency(schedule: Schedule, remat: Any, recompute: float) -> float:
+def efficiency(schedule: Schedule, remat: Remat, recompute: float) -> float:
     """The share of a window's stage work that is useful: ``M R`` of ``M R +
     S - 1`` ticks' worth of a stage's forward and backward pass carry a
     micro-batch, and ``remat`` adds its forward again (``recompute`` of the
@@ -133,7 +141,7 @@ def efficiency(schedule: Schedule, remat: Any, recompute: float) -> float:
     return useful / (1 + (recompute if remat else 0.0))
 
 
-def _name(remat: Any) -> str:
+def _name(remat: Remat) -> str:
     return (
         repr(remat) if isinstance(remat, bool) else getattr(remat, "__name__", "policy")
     )
@@ -366,20 +374,22 @@ def _check_candidates(candidates: Any, num_stages: int, repeats: int) -> list[in
     return sorted(set(candidates))
 
 
-def _rows(microbatch: Any) -> int:
+def _rows(microbatch: Batch) -> int:
     """Rows of ``microbatch``, checked as the core checks a batch: every leaf
     has a leading axis of rows, the same in each."""
     return _split.batch_size_of([("microbatch", microbatch)])
 
 
-def _window_batch(microbatch: Any, num: int, mesh: Any, data_axis: str | None) -> Any:
+def _window_batch(
+    microbatch: Batch, num: int, mesh: Any, data_axis: str | None
+) -> PyTree:
     """Shapes of a batch of ``num`` micro-batches like ``microbatch``, sharded
     over ``data_axis`` on a concrete mesh (so each device counts its rows)."""
     sharding = None
     if isinstance(mesh, jax.sharding.Mesh):
         sharding = NamedSharding(mesh, PartitionSpec(data_axis))
 
-    def window(leaf: Any) -> jax.ShapeDtypeStruct:
+    def window(leaf: PyTree) -> jax.ShapeDtypeStruct:
         shape = jnp.shape(leaf)
         return jax.ShapeDtypeStruct(
             (shape[0] * num, *shape[1:]), jnp.result_type(leaf), sharding=sharding
@@ -424,8 +434,8 @@ def _recompute(
     functions: tuple,
     options: AccumOptions,
     mesh: Any,
-    params: Any,
-    microbatch: Any,
+    params: Params,
+    microbatch: Batch,
     key: Any,
 ) -> tuple[float, bool]:
     """A stage's forward FLOPs over its forward and backward FLOPs (what

@@ -5,7 +5,6 @@ gradient norm, whole although the pipeline computes it in pieces (its
 embedding's, each stage's at its tick, its head's)."""
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._device import Probes
 from jaxaccum._pipeline._layout import Prepared, place
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._types import PyTree
 from jaxaccum._window import FiniteReport
 
 
@@ -35,7 +35,9 @@ def tick_microbatches(schedule: Schedule) -> np.ndarray:
     return micro[..., None] == np.arange(schedule.num_microbatches)
 
 
-def pipeline_stats(raw: Any, prepared: Prepared, options: AccumOptions) -> WindowStats:
+def pipeline_stats(
+    raw: PyTree, prepared: Prepared, options: AccumOptions
+) -> WindowStats:
     """:class:`WindowStats` of a window's raw sums ``raw`` (its ``probes``,
     ``per_micro`` and ``grads``) from each micro-batch piece's (data shard ``j``,
     micro-batch ``k``) squared gradient norm: its embedding's, its stages'
@@ -100,7 +102,7 @@ def unshared(probes: Probes | None, share: jax.Array) -> Probes | None:
     return jax.tree.map(lambda q: jnp.where(positive, q / safe / safe, 0), probes)
 
 
-def window_report(raw: Any, prepared: Prepared, options: AccumOptions) -> Any:
+def window_report(raw: PyTree, prepared: Prepared, options: AccumOptions) -> PyTree:
     """The window's :class:`WindowStats` (``report_stats``), its
     :class:`FiniteReport` (``report_finite``: a micro-batch's loss and
     gradient finite), else ``()``."""

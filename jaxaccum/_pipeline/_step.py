@@ -3,7 +3,6 @@ through the core's, autodiff through the ``shard_map``'d loop, the loss
 scale and the window's normalisation."""
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +42,7 @@ from jaxaccum._pipeline._layout import (
 from jaxaccum._pipeline._loop import on_device
 from jaxaccum._pipeline._schedule import schedule_on
 from jaxaccum._pipeline._stats import make_probes, probed, unshared, window_report
-from jaxaccum._types import Fun, PipelineKwargs, ScheduleName
+from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
 from jaxaccum._value_and_grad import check_differentiable
 from jaxaccum._window import (
     AuxPlan,
@@ -79,7 +78,7 @@ class _Raw(NamedTuple):
 
 
 def _window_share(
-    options: AccumOptions, num_means: int, weight: Any, dtype: Any = jnp.float32
+    options: AccumOptions, num_means: int, weight: PyTree, dtype: Any = jnp.float32
 ) -> jax.Array:
     """What the window's loss sum is multiplied by before its backward pass,
     so that every cotangent is the big batch's: the core's
@@ -148,7 +147,7 @@ def _differentiate(
     options: AccumOptions,
     bubble_fill: float,
     params: tuple,
-    batch: Any,
+    batch: Batch,
     key: Any,
     loss_scale: jax.Array | None = None,
 ) -> _Raw:
@@ -196,7 +195,7 @@ def _one_f_one_b(
     bubble_fill: float,
     skip: bool,
     params: tuple,
-    batch: Any,
+    batch: Batch,
     key: Any,
     loss_scale: jax.Array | None = None,
 ) -> _Raw:
@@ -264,7 +263,7 @@ def make_pipeline(
     mesh: Mesh | AbstractMesh | None,
     bubble_fill: float = 0.0,
     skip_bubbles: bool = True,
-) -> Callable[..., Any]:
+) -> Fun:
     """The step of :func:`pipeline_value_and_grad` for ``options`` (whose
     ``pipeline`` is set); ``functions`` is ``(stage_fn, loss_fn, embed_fn)``;
     bubbles compute on ``bubble_fill`` (tests poison it with NaN); 1F1B's
@@ -273,7 +272,7 @@ def make_pipeline(
     if mesh is not None and options.num_microbatches is not None:
         schedule_on(resolve_mesh(mesh, options), options)  # fail at construction
 
-    def step(params: Any, batch: Any, key: Any = None, **kwargs: Any) -> Any:
+    def step(params: Params, batch: Batch, key: Any = None, **kwargs: PyTree) -> PyTree:
         scale = pop_loss_scale(kwargs, options.loss_scale)
         if kwargs:
             raise TypeError(
@@ -330,7 +329,7 @@ def pipeline_value_and_grad(
     repeats: int = 1,
     schedule: ScheduleName = "gpipe",
     **options: Unpack[PipelineKwargs],
-) -> Callable[..., Any]:
+) -> Fun:
     """Pipeline parallelism where the accumulation window is the pipeline.
 
     The batch's ``M`` strided micro-batches (``k``: examples ``k, k + M,

@@ -31,6 +31,7 @@ import jaxaccum
 import jaxaccum.growth
 from jaxaccum._options import AccumOptions, check_scalar
 from jaxaccum._plan import format_bytes, measure, train_step
+from jaxaccum._types import Batch, PyTree
 from jaxaccum.cli import models
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides
@@ -71,7 +72,7 @@ def demo_task(args: argparse.Namespace) -> models.Task:
     )
 
 
-def batch_shapes(task: models.Task, batch_size: int) -> Any:
+def batch_shapes(task: models.Task, batch_size: int) -> PyTree:
     return jax.eval_shape(lambda: task.make_batch(jax.random.key(0), batch_size))
 
 
@@ -97,7 +98,7 @@ def _memory(task: models.Task, args: argparse.Namespace, num: int):
     )
 
 
-def _copy(tree: Any) -> Any:
+def _copy(tree: PyTree) -> PyTree:
     """A copy to donate, so that the task's own arrays stay valid."""
     return jax.tree.map(jnp.copy, tree)
 
@@ -186,7 +187,7 @@ def _print_plan(memory_plan, full_row, num: int, batch_size: int) -> None:
     console.print(f"Effective batch = {batch_size // num} x {num} = {batch_size}.")
 
 
-def _prove(task: models.Task, batch: Any, num: int) -> None:
+def _prove(task: models.Task, batch: Batch, num: int) -> None:
     # The same float32 sums over the batch in two orders: each errs by at most
     # (B - 1) u sum|t| (u = 2**-24; Higham, 4.2), so they differ by at most
     # 2 B u relative where terms do not cancel, and that times the mean
@@ -330,7 +331,7 @@ def _step_cost(task, num: int, args: argparse.Namespace) -> jaxaccum.growth.Step
     }
     state = {"opt_state": optimizer.init(task.params), "params": _copy(task.params)}
 
-    def window_step(size: int) -> Any:
+    def window_step(size: int) -> PyTree:
         _, state["params"], state["opt_state"] = steps[size](
             state["opt_state"], state["params"], batches[size]
         )

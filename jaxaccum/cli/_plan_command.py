@@ -33,7 +33,6 @@ import importlib
 import inspect
 import re
 import sys
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -42,6 +41,7 @@ import optax
 
 import jaxaccum
 from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS, check_scalar
+from jaxaccum._types import Fun, PyTree
 from jaxaccum.cli import _pipeline_plan
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides, count
@@ -94,7 +94,7 @@ def _shape_dtype(dtype: str, dims: str) -> jax.ShapeDtypeStruct:
         raise ValueError(f"--batch: {dtype!r} is not a dtype ({error}).") from error
 
 
-def parse_batch(spec: str) -> Any:
+def parse_batch(spec: str) -> PyTree:
     """``--batch``: ``module:attribute``; one array as ``dtype[d0,d1,...]``; or
     leaves as ``name=dtype[d0,d1,...]`` separated by commas (a dict, e.g.
     ``x=float32[8192,784],y=int32[8192]``)."""
@@ -268,23 +268,23 @@ def _check_loss_flags(args: argparse.Namespace) -> None:
         )
 
 
-def _describe(tree: Any) -> str:
+def _describe(tree: PyTree) -> str:
     """A pytree of shapes as ``(float32[], {aux: float32[4]})``."""
     shapes = jax.tree.map(lambda leaf: f"{leaf.dtype}{list(leaf.shape)}", tree)
     return str(shapes).replace("'", "")
 
 
-def output_hint(loss: Any, call_args: tuple, options: dict[str, Any]) -> str | None:
+def output_hint(loss: PyTree, call_args: tuple, options: dict[str, Any]) -> str | None:
     """Which flag the loss's output does not match, if any (else None)."""
     try:
         out = jax.eval_shape(loss, *call_args)
     except Exception:  # the loss's own error is the one to report
         return None
 
-    def is_pair(tree: Any) -> bool:
+    def is_pair(tree: PyTree) -> bool:
         return isinstance(tree, tuple | list) and len(tree) == 2
 
-    def is_scalar(tree: Any) -> bool:
+    def is_scalar(tree: PyTree) -> bool:
         return isinstance(tree, jax.ShapeDtypeStruct) and tree.shape == ()
 
     returned = f"it returns {_describe(out)}."
@@ -312,7 +312,7 @@ class _Step(NamedTuple):
     """What is planned: a loss, its arguments and value_and_grad's keywords."""
 
     name: str
-    loss: Callable[..., Any]
+    loss: Fun
     args: tuple
     options: dict[str, Any]
 

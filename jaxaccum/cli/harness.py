@@ -36,6 +36,7 @@ import optax
 
 import jaxaccum
 from jaxaccum._plan import total_bytes
+from jaxaccum._types import Batch, Fun, PyTree
 from jaxaccum.cli.models import Task
 
 CONTENDERS = (
@@ -78,7 +79,7 @@ def machine() -> str:
     )
 
 
-def compile_timed(fun: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+def compile_timed(fun: Fun, *args: PyTree) -> tuple[Any, float]:
     """``jax.jit(fun).lower(*args).compile()`` and the seconds it took."""
     start = time.perf_counter()
     compiled = jax.jit(fun).lower(*args).compile()
@@ -101,9 +102,7 @@ def median_seconds(run: Callable[[], Any], repeats: int) -> float:
     return statistics.median(timeit.repeat(blocked, number=1, repeat=repeats))
 
 
-def window_step(
-    grad_fn: Callable[..., Any], optimizer: optax.GradientTransformation
-) -> Callable[..., Any]:
+def window_step(grad_fn: Fun, optimizer: optax.GradientTransformation) -> Fun:
     """``step(params, opt_state, batch)``: ``grad_fn`` then one optimizer update."""
 
     def step(params, opt_state, batch):
@@ -114,7 +113,7 @@ def window_step(
     return step
 
 
-def _unrolled(loss: Callable[..., Any], num: int) -> Callable[..., Any]:
+def _unrolled(loss: Fun, num: int) -> Fun:
     def value_and_grads(params, batch):
         total_loss, total_grads = 0.0, jax.tree.map(jnp.zeros_like, params)
         for k in range(num):
@@ -127,7 +126,7 @@ def _unrolled(loss: Callable[..., Any], num: int) -> Callable[..., Any]:
     return value_and_grads
 
 
-def _grad_fn(contender: str, loss: Callable[..., Any], num: int, batch_size: int):
+def _grad_fn(contender: str, loss: Fun, num: int, batch_size: int):
     if contender == "full_batch":
         return jax.value_and_grad(loss)
     if contender == "jaxaccum":
@@ -145,7 +144,7 @@ def _grad_fn(contender: str, loss: Callable[..., Any], num: int, batch_size: int
 
 
 def measure(
-    task: Task, batch: Any, contender: str, num: int, repeats: int
+    task: Task, batch: Batch, contender: str, num: int, repeats: int
 ) -> Measurement:
     """Measures one contender on one batch at ``N = num``."""
     optimizer = optax.adam(1e-3)

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxaccum._types import Fun, Params
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -30,7 +32,7 @@ class Task:
 
     name: str
     loss: Callable[[Any, Any], jax.Array]
-    params: Any
+    params: Params
     make_batch: Callable[[jax.Array, int], Any]
 
 
@@ -162,9 +164,9 @@ class PipelinedTask:
     """
 
     name: str
-    stage_fn: Callable[..., Any]
-    loss_fn: Callable[..., Any]
-    embed_fn: Callable[..., Any]
+    stage_fn: Fun
+    loss_fn: Fun
+    embed_fn: Fun
     params: tuple
     make_batch: Callable[[jax.Array, int], Any]
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxaccum._options import check_scalar, static_scalar
+from jaxaccum._types import PyTree
 
 
 class WindowTotals(Protocol):
@@ -208,7 +209,7 @@ def window_is_valid(big_batch: jax.Array, seen: ExamplesSeen) -> jax.Array:
     return jnp.isfinite(big_batch) & (big_batch >= 0) & jnp.isfinite(seen.total)
 
 
-def keep_if(valid: jax.Array, new: Any, old: Any) -> Any:
+def keep_if(valid: jax.Array, new: PyTree, old: PyTree) -> PyTree:
     """``new`` where ``valid``, else ``old``, leaf by leaf (a traced guard)."""
     return jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, old)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum._options import check_scalar
+from jaxaccum._types import PyTree
 from jaxaccum.growth._base import (
     ExamplesSeen,
     NoiseEstimatesLike,
@@ -286,7 +287,7 @@ def scale_by_batch_learning_rate(
         *,
         batch_size: jax.typing.ArrayLike | None = None,
         noise_estimates: NoiseEstimatesLike | None = None,
-        **extra_args: Any,
+        **extra_args: PyTree,
     ) -> tuple[optax.Updates, ScaleByBatchState]:
         del params, extra_args
         if batch_size is None:
