@@ -389,6 +389,15 @@ def test_every_front_end_refuses_an_unknown_option_by_name():
             call()
 
 
+# What the checks and plans that compare windows leave out (COMPARE_REFUSED).
+_COMPARED_OUT = (*_options.SHARD_OPTIONS, "loss_scale")
+# plan_modes sets the modes itself, and plans unscaled.
+_MODES_SET = ("param_gather", "grad_reduce", "loss_scale")
+_PIPELINE_PLANNED = (*_options.PIPELINE_REFUSED, "loss_scale")
+# The Flax front ends set the argument roles themselves.
+_FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
+
+
 @pytest.mark.parametrize(
     ("front_end", "exclude"),
     [
@@ -398,22 +407,38 @@ def test_every_front_end_refuses_an_unknown_option_by_name():
         ("equinox.filter_value_and_grad", (*_options.SHARD_OPTIONS, "argnums")),
         ("equinox.filter_grad", (*_options.SHARD_OPTIONS, "argnums")),
         ("pipeline_value_and_grad", _options.PIPELINE_REFUSED),
+        # The front ends that forward their options: what they refuse (or set
+        # themselves) is what their signature leaves out.
+        ("plan", (*_COMPARED_OUT, "microbatch_size", "masked")),
+        ("plan_modes", ("state_argnums", "report_finite", "masked", *_MODES_SET)),
+        ("plan_pipeline", (*_PIPELINE_PLANNED, "microbatch_size")),
+        ("testing.assert_grads_match_full_batch", _COMPARED_OUT),
+        ("testing.diagnose", _COMPARED_OUT),
+        ("equinox.filter_assert_grads_match_full_batch", (*_COMPARED_OUT, "argnums")),
+        ("equinox.filter_diagnose", (*_COMPARED_OUT, "argnums")),
+        ("flax.linen_value_and_grad", (*_options.SHARD_OPTIONS, *_FLAX_ROLES)),
+        ("flax.linen_train_step", (*_options.SHARD_OPTIONS, *_FLAX_ROLES)),
+        ("flax.nnx_value_and_grad", (*_options.SHARD_OPTIONS, *_FLAX_ROLES)),
+        ("flax.linen_diagnose", (*_COMPARED_OUT, *_FLAX_ROLES)),
+        ("flax.nnx_diagnose", (*_COMPARED_OUT, *_FLAX_ROLES)),
     ],
 )
 def test_front_end_keywords_are_the_options(front_end, exclude):
     """The keywords a front end shows (``help``, IDEs, type checkers) are
-    the options' fields, and its docstring documents each one."""
+    the options' fields but those it refuses or sets itself, and a docstring
+    with "Keyword Args" documents each one."""
     import jaxaccum.equinox
+    import jaxaccum.flax
+    import jaxaccum.testing
 
     function = jaxaccum
     for part in front_end.split("."):
         function = getattr(function, part)
-    own = ("mesh", "data_axis", "embed_fn", "stage_axis", "repeats", "schedule")
-    # a front end's own keywords: its mesh and the pipeline's layout
-    keyword_only = set(_keywords(function)) - set(own)
+    # not a front end's own keywords (its mesh, tolerances, budget, layout)
+    keyword_only = set(_keywords(function)) & _options.AccumOptions.option_names()
     assert keyword_only == _options.AccumOptions.option_names() - set(exclude)
     documented = inspect.getdoc(function) or ""
-    if "keyword options, with the" not in documented:  # grad's point to their twin's
+    if "Keyword Args:" in documented:  # the others point to their core's
         for name in keyword_only:
             assert f"\n  {name}: " in documented, f"{front_end} documents no {name}"
 
