@@ -220,7 +220,8 @@ def candidate_counts(candidates: Any, each: str) -> list[int]:
 PIPELINE_AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 
 
-# The pipeline's schedules (docs/guides/pipeline.md).
+# The pipeline's schedules (docs/guides/pipeline.md): the names of
+# jaxaccum._pipeline._schedules.SCHEDULES, where each becomes its class.
 PIPELINE_SCHEDULES: tuple[str, ...] = SCHEDULES
 
 
@@ -246,16 +247,6 @@ class PipelineLayout:
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(
                 f"schedule must be one of {PIPELINE_SCHEDULES}, got {self.schedule!r}."
-            )
-        if self.schedule == "1f1b" and self.repeats > 1:
-            raise ValueError(
-                f"schedule='1f1b' with repeats={self.repeats} (interleaved "
-                "1F1B) is not built: its backward slots would run the repeats "
-                "in reverse round the ring, each device keeping a ring of "
-                "stage inputs per repeat (docs/guides/pipeline.md, 'Not "
-                "built'). Use repeats=1 with '1f1b' (its activation memory is "
-                "flat in M already), or schedule='gpipe' for the circular "
-                "schedule."
             )
         for name in ("stage_axis", "data_axis"):
             value = getattr(self, name)

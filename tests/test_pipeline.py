@@ -36,8 +36,10 @@ from pipeline_checks import stage_fn as dense
 import jaxaccum
 from jaxaccum import pipeline_value_and_grad
 from jaxaccum._options import AccumOptions, PipelineLayout
+from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._calls import takes_key
-from jaxaccum._pipeline._schedule import Schedule, schedule_on
+from jaxaccum._pipeline._gpipe import GPipe
+from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +57,11 @@ def test_pipeline_on_8_devices(results, check):
 
 
 @st.composite
-def schedules(draw) -> Schedule:
+def schedules(draw) -> GPipe:
     stages = draw(st.integers(1, 6))
     repeats = draw(st.integers(1, 3))
     low = stages if repeats > 1 else 1  # a circular schedule needs M >= S
-    return Schedule(stages, draw(st.integers(low, 9)), repeats)
+    return GPipe(stages, draw(st.integers(low, 9)), repeats)
 
 
 @settings(max_examples=60, deadline=None)
@@ -437,15 +439,45 @@ def test_no_mesh():
 
 def test_the_bubble_fraction_formula():
     for stages, num, repeats in itertools.product((2, 4, 8), (8, 16), (1, 2)):
-        schedule = Schedule(stages, num, repeats)
+        schedule = GPipe(stages, num, repeats)
         assert schedule.num_ticks == num * repeats + stages - 1
         np.testing.assert_allclose(
             schedule.bubble_fraction, (stages - 1) / (num * repeats + stages - 1)
         )
         if repeats == 1:  # 1F1B: the same bubble, in slots
-            one = Schedule(stages, num, 1, "1f1b")
+            one = OneFOneB(stages, num)
             assert one.num_ticks == num + 2 * (stages - 1)
             assert one.bubble_fraction == schedule.bubble_fraction
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    stages=st.integers(1, 5),
+    num=st.integers(1, 9),
+    repeats=st.integers(1, 3),
+)
+def test_each_schedules_gradient_table_is_the_slot_that_computes_it(
+    name, stages, num, repeats
+):
+    """The statistics read which micro-batch a stage's gradient comes from
+    at each tick off the schedule's own table: GPipe's forward slot (autodiff
+    differentiates the tick that ran it), 1F1B's backward slot."""
+    if not builds(name, repeats) or (repeats > 1 and num < stages):
+        return
+    schedule = SCHEDULES[name](stages, num, repeats)
+    table = schedule.stage_gradient_table()
+    assert table.shape == (stages, schedule.num_ticks, num)
+    for tick, device in itertools.product(range(schedule.num_ticks), range(stages)):
+        if isinstance(schedule, OneFOneB):
+            valid, micro = schedule.backward_at(jnp.int32(tick), jnp.int32(device))
+        else:
+            at = schedule.at(jnp.int32(tick), jnp.int32(device))
+            valid, micro = at.valid, at.microbatch
+        expected = np.zeros(num, bool)
+        if bool(valid):
+            expected[int(micro)] = True
+        np.testing.assert_array_equal(table[device, tick], expected)
 
 
 @settings(max_examples=60, deadline=None)
@@ -456,7 +488,7 @@ def test_1f1b_slots_run_every_microbatch_once_each_way(stages, num):
     after the stage after's (the last stage's in the tick of its forward);
     and a ring slot is not written again before its backward has read it
     (the forward slot writes before the backward slot reads)."""
-    schedule = Schedule(stages, num, 1, "1f1b")
+    schedule = OneFOneB(stages, num)
     size = schedule.ring_size
     forward, backward = {}, {}
     for tick, device in itertools.product(range(schedule.num_ticks), range(stages)):

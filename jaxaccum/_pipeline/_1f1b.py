@@ -12,345 +12,127 @@ activation memory does not grow with ``M``. Activations go forward and
 cotangents back by ``ppermute`` to the neighbours only; the gradients
 accumulate in the carry and are reduced once, after the loop."""
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
-from jaxaccum._loss_scale import scale_loss
-from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._options import AccumOptions
+from jaxaccum._pipeline._1f1b_tick import (
+    Carry,
+    Message,
+    Window,
+    axes_of,
+    floats,
+    forward,
+    one_tick,
+    stage_call,
+    stage_given,
+    ticks_of,
+)
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import (
-    Device,
     Probes,
     Shapes,
     Static,
     fill_like,
     make_device,
-    microbatch_key,
-    select,
     varying,
 )
+from jaxaccum._pipeline._run import Raw, Run, share_dtype
 from jaxaccum._pipeline._schedule import Schedule
-from jaxaccum._types import Batch, Grads, PyTree
-from jaxaccum._window import accum_dtype_for, microbatch_share
+from jaxaccum._pipeline._stats import probed as probed_options
+from jaxaccum._types import Batch, PyTree
 
 
-class _Pullback(NamedTuple):
-    """How to rebuild a stage's pullback from its ring slot: the pullback's
-    tree and, per leaf, the index of the ``(parameters, key)`` leaf it is
-    (rebuilt from the backward's own), or -1 (saved in the ring)."""
+@dataclasses.dataclass(frozen=True)
+class OneFOneB(Schedule):
+    """1F1B in one program: each tick a forward and a backward slot per
+    device, ``M + 2 (S - 1)`` ticks; stage ``d`` runs micro-batch ``m``'s
+    forward at tick ``m + d`` and its backward at tick ``m + 2 (S - 1) - d``
+    (activation memory flat in ``M``). ``repeats=1`` only."""
 
-    treedef: Any
-    where: tuple[int, ...]
+    name: ClassVar[str] = "1f1b"
 
+    @classmethod
+    def check_repeats(cls, repeats: int) -> None:
+        if repeats > 1:
+            raise ValueError(
+                f"schedule='1f1b' with repeats={repeats} (interleaved 1F1B) is "
+                "not built: its backward slots would run the repeats in reverse "
+                "round the ring, each device keeping a ring of stage inputs per "
+                "repeat (docs/guides/pipeline.md, 'Not built'). Use repeats=1 "
+                "with '1f1b' (its activation memory is flat in M already), or "
+                "schedule='gpipe' for the circular schedule."
+            )
 
-def _forward(stage: Any, given: PyTree, x: PyTree) -> tuple[Any, list, _Pullback]:
-    """``stage(given, x)`` and its backward's residuals less ``given``'s
-    leaves (the parameters and key: a ring slot would copy the stage's
-    parameters), with how to rebuild the pullback."""
-    y, pullback = jax.vjp(stage, given, x)
-    leaves, treedef = jax.tree.flatten(pullback)
-    known = jax.tree.leaves(given)
-    where = tuple(
-        next((i for i, k in enumerate(known) if leaf is k), -1) for leaf in leaves
-    )
-    saved = [leaf for leaf, i in zip(leaves, where, strict=True) if i < 0]
-    return y, saved, _Pullback(treedef, where)
+    @property
+    def lag(self) -> int:
+        """``S - 1``: micro-batch ``m``'s loss is taken at tick ``m + S - 1``
+        and its embedding's backward runs at tick ``m + 2 (S - 1)``."""
+        return self.num_stages - 1
 
+    @property
+    def num_ticks(self) -> int:
+        """``M + 2 (S - 1)``: a micro-batch's backward leaves the first stage
+        ``2 (S - 1)`` ticks after its forward entered it."""
+        return self.num_microbatches + 2 * self.lag
 
-def _backward(pullback: _Pullback, given: PyTree, saved: list, cotangent: PyTree):
-    """The cotangents of ``(given, x)`` from a ring slot's residuals."""
-    known, rest = jax.tree.leaves(given), iter(saved)
-    leaves = [known[i] if i >= 0 else next(rest) for i in pullback.where]
-    return jax.tree.unflatten(pullback.treedef, leaves)(cotangent)
+    @property
+    def ring_size(self) -> int:
+        """The stage inputs (or residuals) a device keeps, ``min(2 S - 1,
+        M)``: stage ``d`` holds micro-batch ``m`` from its forward at tick
+        ``m + d`` to its backward at tick ``m + 2 (S - 1) - d``."""
+        return min(2 * self.num_stages - 1, self.num_microbatches)
 
+    def backward_at(self, tick: Any, stage: Any) -> tuple[Any, Any]:
+        """Whether the device of ``stage`` runs a backward slot at ``tick``,
+        and the micro-batch's (clipped in a bubble)."""
+        iteration = tick - 2 * self.lag + stage
+        valid = (iteration >= 0) & (iteration < self.num_microbatches)
+        return valid, jnp.clip(iteration, 0, self.num_microbatches - 1)
 
-class _Message(NamedTuple):
-    """What a stage's backward hands to the stage before: the cotangent of
-    the activation's float leaves, and the micro-batch's share."""
+    def stage_gradient_table(self) -> np.ndarray:
+        """A stage's gradient at a tick is its backward slot's."""
+        ticks = np.arange(self.num_ticks)[None, :]
+        return self._table(ticks - 2 * self.lag + np.arange(self.num_stages)[:, None])
 
-    cotangent: list
-    share: jax.Array
-
-
-class _Carry(NamedTuple):
-    """A device's scan carry.
-
-    Attributes:
-      incoming: the activation the previous stage's device handed over.
-      back: the :class:`_Message` the next stage's device handed back.
-      ring: per saved residual, its ``(K, ...)`` slots.
-      grads: ``(embed, stages, head)`` gradients, in the accumulation dtype.
-      sums: the :class:`LossOut` summed over the micro-batches so far.
-    """
-
-    incoming: PyTree
-    back: _Message
-    ring: list
-    grads: tuple
-    sums: LossOut
-
-
-class _Window(NamedTuple):
-    """What a device's ticks read besides :class:`Device`.
-
-    Attributes:
-      device: the device's parameters, batch, keys and fill.
-      scale: the loss scale the seeds are multiplied by, or None.
-      num_means: ``M D``, the window's micro-batch pieces.
-      skip: whether a bubble's stage slots are skipped (``lax.cond``) or
-        computed on the fill and selected away.
-      probed: whether the ticks take squared gradient norms.
-      pullback: the ring slots' :class:`_Pullback` (filled when traced).
-      share_dtype: the dtype of the shares (the loss sum's, at least
-        float32).
-    """
-
-    device: Device
-    scale: jax.Array | None
-    num_means: int
-    skip: bool
-    probed: bool
-    pullback: list
-    share_dtype: Any
-
-
-def _floats(tree: PyTree) -> list:
-    """The inexact leaves of ``tree`` (the ones with cotangents)."""
-    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-
-
-def _full_cotangent(like: PyTree, floats: list) -> PyTree:
-    """A cotangent for ``like``: ``floats`` in its inexact leaves, float0
-    zeros in its integer and bool leaves."""
-    rest = iter(floats)
-    leaves = [
-        next(rest)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-        else jnp.zeros(x.shape, jax.dtypes.float0)
-        for x in jax.tree.leaves(like)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(like), leaves)
-
-
-def _added(total: PyTree, grad: Grads, factor: Any) -> PyTree:
-    """``total + grad * factor`` leaf by leaf, in ``total``'s dtypes."""
-    return jax.tree.map(
-        lambda t, g: t + (g.astype(t.dtype) * factor).astype(t.dtype), total, grad
-    )
-
-
-def _own_sq(window: _Window, grad: Grads, share: jax.Array) -> jax.Array:
-    """The squared norm of the loss's own gradient, from ``grad`` (at the
-    micro-batch's share and the loss scale, divided out leaf by leaf before
-    squaring; the share after, twice)."""
-    divisor = jnp.float32(1) if window.scale is None else window.scale
-    positive = share > 0
-    safe = jnp.where(positive, share, 1)
-    sq = jnp.where(positive, unscaled_squared_norm(grad, divisor) / safe / safe, 0)
-    return sq.astype(jnp.float32)
-
-
-def _unshare(window: _Window, share: jax.Array) -> jax.Array:
-    """What a micro-batch's gradient at ``share`` is multiplied by as it
-    accumulates: 1, or with ``"weighted"`` ``1 / share`` (the window's
-    gradient of the loss sum, divided by the total weight after the loop,
-    as the core's window does)."""
-    if window.device.options.reduction != "weighted":
-        return jnp.float32(1)
-    positive = share > 0
-    return jnp.where(positive, 1 / jnp.where(positive, share, 1), 0)
-
-
-def _stage_given(device: Device, index: Any) -> tuple:
-    """``(own stages, key)`` of micro-batch ``index`` at this device's stage."""
-    return device.own_stages, microbatch_key(device, index, device.stage)
-
-
-def _stage_call(device: Device):
-    """The stage as ``stage((own, key), x)``, for :func:`_forward`."""
-    return lambda given, x: device.calls.bare_stage(given[0], 0, x, given[1])
-
-
-def _cond(device: Device, pred: Any, on_true, on_false, *operands: PyTree) -> PyTree:
-    """``lax.cond`` on this device's ``pred``, both branches' results typed
-    varying over the manual axes (a branch's constant and the other's
-    per-device value are one type)."""
-    axes = _axes(device)
-    return lax.cond(
-        pred,
-        lambda *a: varying(on_true(*a), axes),
-        lambda *a: varying(on_false(*a), axes),
-        *operands,
-    )
-
-
-def _read(ring: list, slot: Any) -> list:
-    return [lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring]
-
-
-def _forward_slot(window: _Window, carry: _Carry, tick_index: Any):
-    """The tick's forward slot: the stage on the micro-batch of ``tick -
-    stage`` (embedded here on the first stage), its residuals written to the
-    ring. Returns the stage's output, the ring, and the micro-batch."""
-    device, schedule = window.device, window.device.schedule
-    tick = schedule.at(tick_index, device.stage)
-    layers = schedule.num_stages
-
-    def embed():
-        micro = device.batch.microbatch(tick.microbatch)
-        key = microbatch_key(device, tick.microbatch, layers)
-        return varying(device.calls.embed(device.embed, micro, key), _axes(device))
-
-    entering = _cond(device, tick.enters, embed, lambda: device.fill)
-    x = select(device.stage == 0, entering, carry.incoming)
-    x = select(tick.valid, x, device.fill)
-    slot = tick.microbatch % schedule.ring_size
-    old = _read(carry.ring, slot)
-
-    def run(given, x):
-        y, saved, pullback = _forward(_stage_call(device), given, x)
-        window.pullback[:] = [pullback]
-        return y, saved
-
-    given = _stage_given(device, tick.microbatch)
-    if window.skip:
-        y, saved = _cond(
-            device, tick.valid, run, lambda *_: (device.fill, old), given, x
+    def differentiate(
+        self, run: Run, params: tuple, batch: Any, key: Any, loss_scale: Any
+    ) -> Raw:
+        """The window's sums and gradient from :func:`run_window` (each
+        micro-batch's backward seeded with its share, times ``loss_scale``;
+        the gradients unscaled after, in float32). A weighted window's
+        gradient is of the loss sum until here, where it is divided by the
+        total weight, as the core's window does."""
+        options = run.options
+        params, batch, key = run.laid_out(params, batch, key)
+        window = run.per_device(
+            functools.partial(run_window, run.static(), run.skip_bubbles),
+            in_specs=(
+                run.params_specs(),
+                PartitionSpec(options.layout.data_axis),
+                PartitionSpec(),
+                PartitionSpec(),
+            ),
+            out_specs=(
+                PartitionSpec(),
+                run.device_spec(),
+                run.params_specs(),
+                run.device_spec(),
+            ),
         )
-    else:
-        y, saved = run(given, x)
-        saved = select(tick.valid, saved, old)
-    ring = [
-        lax.dynamic_update_index_in_dim(r, s, slot, 0)
-        for r, s in zip(carry.ring, saved, strict=True)
-    ]
-    return y, ring, tick
-
-
-def _axes(device: Device) -> tuple[str, ...]:
-    return device.options.layout.manual_axes
-
-
-def _loss_slot(window: _Window, carry: _Carry, y: PyTree, tick: Any):
-    """On the last stage, micro-batch ``tick.microbatch``'s loss and the
-    start of its backward: the loss's ``jax.vjp`` seeded with its share
-    (times the loss scale). Returns the carry's head gradient and sums, the
-    loss (zeros elsewhere), the cotangent message and the head's squared
-    norm."""
-    device = window.device
-    schedule, options = device.schedule, device.options
-    head_grad, sums = carry.grads[2], carry.sums
-    zero = varying(jnp.zeros((), jnp.float32), _axes(device))
-
-    def take(head_grad, sums, y):
-        micro = device.batch.microbatch(tick.microbatch)
-        key = microbatch_key(device, tick.microbatch, schedule.num_stages + 1)
-
-        def loss(head, y):
-            out = device.calls.loss(head, y, micro, key)
-            return out.loss, out
-
-        value, pullback, out = jax.vjp(loss, device.head, y, has_aux=True)
-        share = microbatch_share(
-            options, window.num_means, out.weight, window.share_dtype
-        )
-        seed = share if window.scale is None else scale_loss(share, window.scale)
-        grad, dy = pullback(varying(seed.astype(value.dtype), _axes(device)))
-        sq = _own_sq(window, grad, share) if window.probed else zero
-        head_grad = _added(head_grad, grad, _unshare(window, share))
-        sums = jax.tree.map(jnp.add, sums, out)
-        return head_grad, sums, out, _Message(_floats(dy), share), sq
-
-    def idle(head_grad, sums, y):
-        none = jnp.zeros((), window.share_dtype)
-        message = _Message(_floats(jax.tree.map(jnp.zeros_like, y)), none)
-        return head_grad, sums, device.no_loss, message, zero
-
-    last = tick.valid & (device.stage == schedule.num_stages - 1)
-    return _cond(device, last, take, idle, head_grad, sums, y)
-
-
-def _backward_slot(window: _Window, carry: _Carry, ring: list, message, t: Any):
-    """The tick's backward slot: micro-batch ``t - 2 (S - 1) + stage``'s
-    stage backward from its ring slot, accumulated; on the first stage the
-    embedding's. Returns the gradients, the message to the stage before,
-    and the stage's and embedding's squared norms."""
-    device, schedule = window.device, window.device.schedule
-    valid, index = schedule.backward_at(t, device.stage)
-    saved = _read(ring, index % schedule.ring_size)
-    embed_grad, stage_grad, head_grad = carry.grads
-    zero = varying(jnp.zeros((), jnp.float32), _axes(device))
-    like = device.fill
-
-    def run(stage_grad, saved, message):
-        given = _stage_given(device, index)
-        cotangent = _full_cotangent(like, message.cotangent)
-        (own_grad, _), dx = _backward(window.pullback[0], given, saved, cotangent)
-        grad = jax.tree.map(
-            lambda g: g.astype(accum_dtype_for(g.dtype, device.options.accum_dtype)),
-            own_grad,
-        )
-        sq = _own_sq(window, grad, message.share) if window.probed else zero
-        grad = jax.tree.map(lambda g: jnp.where(valid, g, 0), grad)
-        stage_grad = _added(stage_grad, grad, _unshare(window, message.share))
-        dx = [jnp.where(valid, g, 0) for g in _floats(dx)]
-        return stage_grad, _Message(dx, jnp.where(valid, message.share, 0)), sq
-
-    def idle(stage_grad, saved, message):
-        none = jnp.zeros_like(message.share)
-        return stage_grad, _Message(message.cotangent, none), zero
-
-    if window.skip:
-        stage_grad, back, stage_sq = _cond(
-            device, valid, run, idle, stage_grad, saved, message
-        )
-    else:
-        stage_grad, back, stage_sq = run(stage_grad, saved, message)
-    embed_grad, embed_sq = _embed_backward(window, embed_grad, back, index, valid)
-    return (embed_grad, stage_grad, head_grad), back, (embed_sq, stage_sq)
-
-
-def _embed_backward(window: _Window, embed_grad: Any, back: _Message, index, valid):
-    """On the first stage, micro-batch ``index``'s embedding backward (its
-    forward recomputed from the batch), accumulated."""
-    device = window.device
-    zero = varying(jnp.zeros((), jnp.float32), _axes(device))
-
-    def run(embed_grad, back):
-        micro = device.batch.microbatch(index)
-        key = microbatch_key(device, index, device.schedule.num_stages)
-        _, pullback = jax.vjp(lambda e: device.calls.embed(e, micro, key), device.embed)
-        (grad,) = pullback(_full_cotangent(device.fill, back.cotangent))
-        sq = _own_sq(window, grad, back.share) if window.probed else zero
-        return _added(embed_grad, grad, _unshare(window, back.share)), sq
-
-    first = valid & (device.stage == 0)
-    return _cond(device, first, run, lambda g, _: (g, zero), embed_grad, back)
-
-
-def _tick(window: _Window, carry: _Carry, tick_index: Any):
-    """One tick of one device: its forward slot, the loss on the last stage,
-    its backward slot; the activation handed on, the cotangent handed back."""
-    device = window.device
-    num = device.schedule.num_stages
-    y, ring, tick = _forward_slot(window, carry, tick_index)
-    head_grad, sums, out, message, head_sq = _loss_slot(window, carry, y, tick)
-    last = device.stage == num - 1
-    message = select(last, message, carry.back)
-    carry = carry._replace(grads=(*carry.grads[:2], head_grad), sums=sums)
-    grads, back, (embed_sq, stage_sq) = _backward_slot(
-        window, carry, ring, message, tick_index
-    )
-    axis = device.options.layout.stage_axis
-    incoming = lax.ppermute(y, axis, [(d, d + 1) for d in range(num - 1)])
-    back = lax.ppermute(back, axis, [(d + 1, d) for d in range(num - 1)])
-    per_tick = (out.loss, out.weight, embed_sq, stage_sq, head_sq)
-    return _Carry(incoming, back, ring, grads, sums), per_tick
+        sums, per_micro, grads, probes = window(params, batch, key, loss_scale)
+        share = run.share(sums.weight, share_dtype(sums.loss))
+        if options.reduction == "weighted":  # the loss sum's: divided by W
+            grads = jax.tree.map(lambda g: (g * share).astype(g.dtype), grads)
+        probes = probes if probed_options(options) else None
+        return Raw(sums, per_micro, grads, probes, share).unscaled(loss_scale)
 
 
 def _reduced(grads: tuple, fsdp_dims: tuple, options: AccumOptions) -> tuple:
@@ -382,22 +164,22 @@ def _slots(like: jax.ShapeDtypeStruct, count: int) -> jax.Array:
     return jnp.zeros((count, *like.shape), like.dtype)
 
 
-def _initial(window: _Window, shapes: Shapes) -> _Carry:
+def _initial(window: Window, shapes: Shapes) -> Carry:
     """The carry before the first tick: fills, an empty ring, zero sums."""
     device = window.device
-    given = _stage_given(device, 0)
+    given = stage_given(device, 0)
     saved = jax.eval_shape(
-        lambda g, x: _forward(_stage_call(device), g, x)[1], given, device.fill
+        lambda g, x: forward(stage_call(device), g, x)[1], given, device.fill
     )
-    ring = [_slots(s, device.schedule.ring_size) for s in saved]
+    ring = [_slots(s, ticks_of(device).ring_size) for s in saved]
     zero_grads = jax.tree.map(
         jnp.zeros_like, (device.embed, device.stages, device.head)
     )
-    message = _Message(
-        _floats(fill_like(shapes.x, 0.0)), jnp.zeros((), window.share_dtype)
+    message = Message(
+        floats(fill_like(shapes.x, 0.0)), jnp.zeros((), window.share_dtype)
     )
-    carry = _Carry(device.fill, message, ring, zero_grads, device.no_loss)
-    return varying(carry, _axes(device))
+    carry = Carry(device.fill, message, ring, zero_grads, device.no_loss)
+    return varying(carry, axes_of(device))
 
 
 def run_window(
@@ -415,29 +197,29 @@ def run_window(
     device = make_device(static, params, batch, key)
     shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
     probed = options.report_stats or options.report_finite
-    share_dtype = jnp.promote_types(shapes.loss.loss.dtype, jnp.float32)
-    window = _Window(
+    shares_dtype = jnp.promote_types(shapes.loss.loss.dtype, jnp.float32)
+    window = Window(
         device,
         loss_scale,
         schedule.num_microbatches * shards,
         skip,
         probed,
         [],
-        share_dtype,
+        shares_dtype,
     )
     carry, per_tick = lax.scan(
-        functools.partial(_tick, window),
+        functools.partial(one_tick, window),
         _initial(window, shapes),
         jnp.arange(schedule.num_ticks),
         unroll=options.unroll,
     )
-    return _results(carry, per_tick, schedule, static.fsdp_dims, options)
+    return _results(carry, per_tick, ticks_of(device), static.fsdp_dims, options)
 
 
-def _results(carry: _Carry, per_tick: tuple, schedule: Schedule, fsdp_dims, options):
+def _results(carry: Carry, per_tick: tuple, schedule: OneFOneB, fsdp_dims, options):
     """The loop's carry and per-tick outputs as :func:`run_window` returns
     them."""
-    num, lag = schedule.num_microbatches, schedule.num_stages - 1
+    num, lag = schedule.num_microbatches, schedule.lag
     loss, weight, embed_sq, stage_sq, head_sq = per_tick
 
     def on(x: PyTree, start: int) -> Any:  # the ticks of micro-batches 0..M-1

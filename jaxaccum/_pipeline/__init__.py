@@ -24,21 +24,27 @@ a gradient.
 backward the ``jax.vjp`` of its forward rebuilt from a ring of ``min(2 S -
 1, M)`` saved residuals, so the activation memory is flat in ``M``.
 
-The package, one concept per module: ``_schedule`` (the ticks: which
-micro-batch and stage each device runs when), ``_calls`` (the user's
-functions as the loop calls them: dtypes, keys, remat, gated gradients),
-``_device`` (what a device's window reads: its parameters, micro-batches,
-keys, fill), ``_loop`` (one device's GPipe window: embed, the ticks, the
-losses), ``_1f1b`` (one device's 1F1B window, its backward included),
-``_layout``
-(the mesh, the stacked stages, FSDP, the call's checks, gradients laid out
-like the parameters), ``_stats`` (the probes and the window's reports read
-off them), ``_step`` (the front end:
-differentiation, the loss scale, normalisation) and ``_plan`` (the window's
-``M``, schedule and ``remat`` for a memory budget).
+A schedule is a strategy: one class per schedule, owning its tick table,
+its device body, its ``shard_map`` and its result tail; ``_schedules`` maps
+a ``schedule=`` string to its class, the one place that does.
+
+The package, one concept per module: ``_schedule`` (the base class: forward
+slots, neighbour rings, the bubble), ``_gpipe`` (``GPipe``: one device's
+GPipe or circular window, embed, the ticks, the losses, backward by
+autodiff), ``_1f1b`` and ``_1f1b_tick`` (``OneFOneB``: one device's 1F1B
+window and one tick of it, its backward included), ``_schedules`` (the
+names), ``_calls`` (the user's functions as the loop calls them: dtypes,
+keys, remat, gated gradients), ``_device`` (what a device's window reads:
+its parameters, micro-batches, keys, fill), ``_run`` (what every schedule
+runs with and returns: the parameters laid out, ``shard_map``, the share),
+``_layout`` (the mesh, the stacked stages, FSDP, the call's checks,
+gradients laid out like the parameters), ``_stats`` (the probes and the
+window's reports read off them), ``_step`` (the front end: the schedule's
+run, the loss scale, normalisation) and ``_plan`` (the window's ``M``,
+schedule and ``remat`` for a memory budget).
 """
 
-from jaxaccum._pipeline._plan import PipelinePlan as PipelinePlan
-from jaxaccum._pipeline._plan import PipelinePlanRow as PipelinePlanRow
 from jaxaccum._pipeline._plan import plan_pipeline as plan_pipeline
+from jaxaccum._pipeline._plan_result import PipelinePlan as PipelinePlan
+from jaxaccum._pipeline._plan_result import PipelinePlanRow as PipelinePlanRow
 from jaxaccum._pipeline._step import pipeline_value_and_grad as pipeline_value_and_grad

@@ -14,7 +14,7 @@ from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, make_calls
 from jaxaccum._pipeline._device import Shapes
-from jaxaccum._pipeline._schedule import Schedule, schedule_on
+from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._types import Batch, Params, PyTree
 
 
@@ -254,12 +254,14 @@ class Prepared(NamedTuple):
     fsdp_dims: tuple
 
 
-def prepare(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
-    """Checks the call's arguments; returns a :class:`Prepared`."""
+def prepare(
+    functions: tuple, options: AccumOptions, mesh: Any, args: tuple, schedule: Schedule
+):
+    """Checks the call's arguments for ``schedule``; returns a
+    :class:`Prepared`."""
     stage_fn, loss_fn, embed_fn = functions
     (embed, stages, head), batch, key = args
     device_mesh = resolve_mesh(mesh, options)
-    schedule = schedule_on(device_mesh, options)
     _check_stage_params(stages, schedule)
     rows = _microbatch_rows(batch, options, device_mesh, schedule.num_microbatches)
     like = (_abstract(embed), _abstract(stages, one_stage=True), _abstract(head))

@@ -32,119 +32,25 @@ from jaxaccum._options import (
 )
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import prepare, resolve_mesh, unpack_params
-from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._plan_result import (
+    PipelinePlan,
+    PipelinePlanRow,
+    efficiency,
+    nothing_fits,
+)
+from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on, schedule_type
 from jaxaccum._pipeline._step import make_pipeline
-from jaxaccum._plan import format_bytes, parse_memory_budget, total_bytes
+from jaxaccum._plan import parse_memory_budget, total_bytes
 from jaxaccum._types import (
     Batch,
     Fun,
     Params,
     PipelinePlanKwargs,
     PyTree,
-    Remat,
     ScheduleName,
 )
 
 _ASSUMED_RECOMPUTE = 1 / 3  # a backward pass twice the forward's FLOPs
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelinePlanRow:
-    """The compiled memory of the pipelined step at one ``(M, schedule,
-    remat)``.
-
-    Attributes:
-      num_microbatches: ``M``.
-      schedule: ``"gpipe"`` or ``"1f1b"``.
-      remat: the ``remat`` compiled (False, True or a checkpoint policy).
-      batch_size: rows of the window's batch, ``M`` micro-batches.
-      bubble: ``(S - 1) / (M R + S - 1)``, the share of ticks idle.
-      efficiency: the share of the window's stage work that is useful
-        (:func:`efficiency`).
-      temp_bytes: bytes of temporaries XLA allocates while the step runs.
-      total_bytes: the footprint per device, arguments + outputs +
-        temporaries - aliased bytes (as :class:`jaxaccum.MemoryPlanRow`).
-      compile_seconds: wall time to lower and compile the step.
-      fits: whether ``total_bytes`` is within the budget.
-    """
-
-    num_microbatches: int
-    schedule: str
-    remat: Remat
-    batch_size: int
-    bubble: float
-    efficiency: float
-    temp_bytes: int
-    total_bytes: int
-    compile_seconds: float
-    fits: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelinePlan:
-    """The result of :func:`plan_pipeline`; ``print`` it for the table.
-
-    Attributes:
-      num_microbatches: the chosen ``M``; pass it (and ``schedule`` and
-        ``remat``) to :func:`jaxaccum.pipeline_value_and_grad`.
-      schedule: the chosen schedule, ``"gpipe"`` or ``"1f1b"``.
-      remat: the chosen ``remat``.
-      microbatch_rows: rows of one micro-batch over all data shards.
-      batch_size: the window's batch at the chosen ``M``.
-      bubble: the chosen configuration's bubble fraction.
-      efficiency: its share of useful stage work.
-      recompute: the share of a stage's forward and backward FLOPs that its
-        forward is (what ``remat`` adds), from ``cost_analysis()`` of one
-        stage; 1/3 where the backend counts no FLOPs (``recompute_measured``).
-      recompute_measured: whether ``recompute`` was counted, not assumed.
-      memory_budget: the budget in bytes.
-      footprint_bytes: the compiled footprint per device at the choice.
-      rows: every compiled configuration, by schedule, ``remat``, ``M``.
-    """
-
-    num_microbatches: int
-    schedule: str
-    remat: Remat
-    microbatch_rows: int
-    batch_size: int
-    bubble: float
-    efficiency: float
-    recompute: float
-    recompute_measured: bool
-    memory_budget: int
-    footprint_bytes: int
-    rows: tuple[PipelinePlanRow, ...]
-
-    def __str__(self) -> str:
-        header = (
-            f"Pipeline plan (grads): micro-batch {self.microbatch_rows} rows, "
-            f"budget {format_bytes(self.memory_budget)} -> num_microbatches="
-            f"{self.num_microbatches}, schedule={self.schedule!r}, "
-            f"remat={_name(self.remat)} (batch "
-            f"{self.batch_size}, bubble {self.bubble:.3f}, efficiency "
-            f"{self.efficiency:.3f}), footprint {format_bytes(self.footprint_bytes)}"
-        )
-        how = "counted" if self.recompute_measured else "assumed"
-        header += f"; remat recomputes {self.recompute:.2f} of a tick ({how})"
-        return header + "\n" + _table(self.rows, self)
-
-
-def efficiency(schedule: Schedule, remat: Remat, recompute: float) -> float:
-    """The share of a window's stage work that is useful: ``M R`` of ``M R +
-    S - 1`` ticks' worth of a stage's forward and backward pass carry a
-    micro-batch, and ``remat`` adds its forward again (``recompute`` of the
-    two; an upper bound for a checkpoint policy). GPipe computes its bubbles
-    on masked inputs; 1F1B's ``M + 2 (S - 1)`` ticks skip theirs, its
-    ``S - 1`` first a forward's and its ``S - 1`` last a backward's, the
-    same ``M + S - 1`` ticks' worth (the schedules differ in memory)."""
-    useful = 1 - schedule.bubble_fraction
-    return useful / (1 + (recompute if remat else 0.0))
-
-
-def _name(remat: Remat) -> str:
-    return (
-        repr(remat) if isinstance(remat, bool) else getattr(remat, "__name__", "policy")
-    )
 
 
 def plan_pipeline(
@@ -232,6 +138,8 @@ def plan_pipeline(
     budget = parse_memory_budget(memory_budget)
     given_remat = "remat" in options
     layout = PipelineLayout(stage_axis, data_axis, repeats, schedule or "gpipe")
+    if schedule is not None:
+        schedule_type(schedule, repeats)  # refused before any compile
     base = AccumOptions.create(
         "plan_pipeline",
         1,
@@ -250,7 +158,8 @@ def plan_pipeline(
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
 
     def efficiency_of(num: int, config: tuple) -> float:
-        return efficiency(Schedule(num_stages, num, repeats), config[1], recompute)
+        ticks = SCHEDULES[config[0]](num_stages, num, repeats)
+        return efficiency(ticks, config[1], recompute)
 
     def measure(num: int, config: tuple) -> PipelinePlanRow:
         kind, remat = config
@@ -261,14 +170,14 @@ def plan_pipeline(
         row = _measure(functions, call, mesh, (params, microbatch, key))
         return dataclasses.replace(
             row,
-            bubble=Schedule(num_stages, num, repeats).bubble_fraction,
+            bubble=SCHEDULES[kind](num_stages, num, repeats).bubble_fraction,
             efficiency=efficiency_of(num, config),
             fits=row.total_bytes <= budget,
         )
 
     chosen, ordered = _search(measure, efficiency_of, candidates, configs)
     if chosen is None:
-        raise _nothing_fits(ordered, budget)
+        raise nothing_fits(ordered, budget)
     return PipelinePlan(
         num_microbatches=chosen.num_microbatches,
         schedule=chosen.schedule,
@@ -287,26 +196,13 @@ def plan_pipeline(
 
 def _configs(remats: tuple, schedule: str | None, repeats: int) -> list[tuple]:
     """The ``(schedule, remat)`` pairs to plan, in the order searched: the
-    given schedule, else GPipe then 1F1B (GPipe only with ``repeats > 1``),
-    each with every one of ``remats``."""
+    given schedule, else every schedule built for ``repeats`` (GPipe, then
+    1F1B), each with every one of ``remats``."""
     if schedule:
-        schedules: tuple[str, ...] = (schedule,)
+        schedules: list[str] = [schedule]
     else:
-        schedules = ("gpipe", "1f1b") if repeats == 1 else ("gpipe",)
+        schedules = [name for name in SCHEDULES if builds(name, repeats)]
     return [(kind, remat) for kind in schedules for remat in remats]
-
-
-def _nothing_fits(ordered: tuple[PipelinePlanRow, ...], budget: int) -> ValueError:
-    """The error when no compiled configuration fits: the smallest, the table."""
-    smallest = min(ordered, key=lambda row: row.total_bytes)
-    return ValueError(
-        f"No window fits memory_budget={format_bytes(budget)} ({budget} "
-        f"bytes): the smallest footprint compiled is "
-        f"{format_bytes(smallest.total_bytes)} at num_microbatches="
-        f"{smallest.num_microbatches}, schedule={smallest.schedule!r}, "
-        f"remat={_name(smallest.remat)}. Raise "
-        "the budget, or use a smaller micro-batch or model.\n" + _table(ordered, None)
-    )
 
 
 def _search(
@@ -445,7 +341,8 @@ def _recompute(
     assert num is not None
     device_mesh = resolve_mesh(mesh, options)
     batch = _window_batch(microbatch, num, device_mesh, options.layout.data_axis)
-    prepared = prepare(functions, options, mesh, (params, batch, key))
+    schedule = schedule_on(device_mesh, options)
+    prepared = prepare(functions, options, mesh, (params, batch, key), schedule)
     stage_params, x = prepared.like[1], prepared.shapes.x
     keyword = {"key": key} if key is not None and takes_key(stage_fn) else {}
 
@@ -464,45 +361,3 @@ def _recompute(
     if flops[0] <= 0 or flops[1] <= flops[0]:
         return _ASSUMED_RECOMPUTE, False
     return flops[0] / flops[1], True
-
-
-def _table(rows: tuple[PipelinePlanRow, ...], chosen: PipelinePlan | None) -> str:
-    header = (
-        "M",
-        "schedule",
-        "remat",
-        "batch",
-        "bubble",
-        "efficiency",
-        "temp",
-        "total",
-        "fits",
-    )
-    lines = [header] + [
-        (
-            str(row.num_microbatches),
-            row.schedule,
-            _name(row.remat),
-            str(row.batch_size),
-            f"{row.bubble:.3f}",
-            f"{row.efficiency:.3f}",
-            format_bytes(row.temp_bytes),
-            format_bytes(row.total_bytes),
-            ("yes" if row.fits else "no")
-            + (
-                "  <- chosen"
-                if chosen is not None
-                and (row.num_microbatches, row.schedule, row.remat)
-                == (chosen.num_microbatches, chosen.schedule, chosen.remat)
-                else ""
-            ),
-        )
-        for row in rows
-    ]
-    widths = [max(len(line[i]) for line in lines) for i in range(8)]
-    return "\n".join(
-        "  ".join(
-            [*(c.rjust(w) for c, w in zip(line[:8], widths, strict=True)), line[8]]
-        )
-        for line in lines
-    )

@@ -1,91 +1,24 @@
-"""The pipeline's schedule: which micro-batch and stage each device runs
-at each tick of the window."""
+"""A pipeline schedule: the strategy a window's ticks follow. The base class
+holds what every schedule shares (which device runs which forward iteration
+at a tick, the neighbour permutations, the bubble); each schedule is a
+subclass beside its device body (``_gpipe.GPipe``, ``_1f1b.OneFOneB``) that
+owns its tick table, its ``shard_map`` and its result tail. ``_schedules``
+maps a ``schedule=`` string to its class."""
 
-from typing import Any, NamedTuple
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxaccum._options import AccumOptions
-
-
-class Schedule(NamedTuple):
-    """The ticks of one window: ``M`` micro-batches through ``S`` stage
-    devices, each holding ``R`` stages (circular when ``R > 1``).
-
-    Attributes:
-      num_stages: ``S``, the size of the stage axis.
-      num_microbatches: ``M``.
-      repeats: ``R``; model stage ``r S + d`` runs on device ``d``.
-      kind: ``"gpipe"`` (every forward pass, then autodiff's backward) or
-        ``"1f1b"`` (each tick a forward and a backward slot per device).
-    """
-
-    num_stages: int
-    num_microbatches: int
-    repeats: int
-    kind: str = "gpipe"
-
-    @property
-    def num_ticks(self) -> int:
-        """GPipe: ``M R + S - 1`` (each device runs ``M R`` iterations, the
-        last device starting ``S - 1`` ticks after the first). 1F1B: ``M +
-        2 (S - 1)``, a micro-batch's backward leaving the first stage
-        ``2 (S - 1)`` ticks after its forward entered it."""
-        if self.kind == "1f1b":
-            return self.num_microbatches + 2 * (self.num_stages - 1)
-        return self.num_microbatches * self.repeats + self.num_stages - 1
-
-    @property
-    def bubble_fraction(self) -> float:
-        """``(S - 1) / (M R + S - 1)``: the share of a device's time idle,
-        for either schedule. GPipe's forward and backward loops each idle
-        ``S - 1`` of their ticks; 1F1B's first ``S - 1`` ticks run forward
-        slots only, its last ``S - 1`` backward slots only (the slots of a
-        bubble skipped), so it takes ``(M + S - 1)`` forward-and-backward
-        times too."""
-        ticks = self.num_microbatches * self.repeats + self.num_stages - 1
-        return (self.num_stages - 1) / ticks
-
-    @property
-    def ring_size(self) -> int:
-        """1F1B: the stage inputs (or residuals) a device keeps, ``min(2 S -
-        1, M)``: stage ``d`` holds micro-batch ``m`` from its forward at tick
-        ``m + d`` to its backward at tick ``m + 2 (S - 1) - d``."""
-        return min(2 * self.num_stages - 1, self.num_microbatches)
-
-    @property
-    def recirculation_delay(self) -> int:
-        """Ticks an activation leaving the last stage waits before the first
-        stage runs its next repeat: ``M - S`` (a buffer of that many)."""
-        return self.num_microbatches - self.num_stages if self.repeats > 1 else 0
-
-    def at(self, tick: jax.Array, stage: jax.Array) -> "Tick":
-        """What the device of ``stage`` does at ``tick``."""
-        total = self.num_microbatches * self.repeats
-        iteration = tick - stage
-        valid = (iteration >= 0) & (iteration < total)
-        safe = jnp.clip(iteration, 0, total - 1)
-        repeat = safe // self.num_microbatches
-        return Tick(
-            valid=valid,
-            microbatch=safe % self.num_microbatches,
-            repeat=repeat,
-            layer=repeat * self.num_stages + stage,
-            enters=valid & (stage == 0) & (repeat == 0),
-            exits=valid & (stage == self.num_stages - 1) & (repeat == self.repeats - 1),
-        )
-
-    def backward_at(self, tick: Any, stage: Any) -> tuple[Any, Any]:
-        """1F1B: whether the device of ``stage`` runs a backward slot at
-        ``tick``, and the micro-batch's (clipped in a bubble)."""
-        iteration = tick - 2 * (self.num_stages - 1) + stage
-        valid = (iteration >= 0) & (iteration < self.num_microbatches)
-        return valid, jnp.clip(iteration, 0, self.num_microbatches - 1)
+if TYPE_CHECKING:
+    from jaxaccum._pipeline._run import Raw, Run
 
 
 class Tick(NamedTuple):
-    """One device's work at one tick (traced scalars).
+    """One device's forward slot at one tick (traced scalars).
 
     Attributes:
       valid: False in a bubble.
@@ -105,23 +38,87 @@ class Tick(NamedTuple):
     exits: jax.Array
 
 
-def schedule_on(mesh: Any, options: AccumOptions) -> Schedule:
-    """The window's schedule on ``mesh``; ``M < S`` with ``R > 1`` is refused."""
-    layout = options.layout
-    num = options.num_microbatches
-    assert num is not None, "the step resolves microbatch_size to M first"
-    schedule = Schedule(
-        mesh.shape[layout.stage_axis], num, layout.repeats, layout.schedule
-    )
-    if layout.repeats > 1 and num < schedule.num_stages:
-        raise ValueError(
-            f"repeats={layout.repeats} needs num_microbatches >= the "
-            f"{schedule.num_stages} stages, got {num}: a "
-            "micro-batch leaving the last stage re-enters the first stage "
-            "M ticks after it first entered, which must not be before the "
-            f"first stage has passed it on. Use M >= {schedule.num_stages}, "
-            "or repeats=1 (any M; the bubble is then "
-            f"{schedule.num_stages - 1} of every "
-            f"{num + schedule.num_stages - 1} ticks)."
+@dataclasses.dataclass(frozen=True)
+class Schedule(abc.ABC):
+    """The ticks of one window: ``M`` micro-batches through ``S`` stage
+    devices, each holding ``R`` stages (model stage ``r S + d`` on device
+    ``d``).
+
+    Attributes:
+      num_stages: ``S``, the size of the stage axis.
+      num_microbatches: ``M``.
+      repeats: ``R``.
+    """
+
+    name: ClassVar[str]
+    num_stages: int
+    num_microbatches: int
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        self.check_repeats(self.repeats)
+
+    @classmethod
+    def check_repeats(cls, repeats: int) -> None:
+        """Refuses a ``repeats`` the schedule is not built for, saying why
+        (every ``repeats`` is, unless a schedule says otherwise)."""
+        del repeats
+
+    @property
+    @abc.abstractmethod
+    def num_ticks(self) -> int:
+        """The loop's length."""
+
+    @abc.abstractmethod
+    def stage_gradient_table(self) -> np.ndarray:
+        """``(S, T, M)`` bool: the micro-batch whose stage gradient device
+        ``d`` computes at tick ``t`` (the statistics' per-tick probes)."""
+
+    @abc.abstractmethod
+    def differentiate(
+        self, run: "Run", params: tuple, batch: Any, key: Any, loss_scale: Any
+    ) -> "Raw":
+        """The window's sums and gradient on the mesh (traced under ``jit``):
+        the parameters laid out, the device body under ``shard_map``, its
+        outputs as :class:`Raw`, the gradient the window's (at its share)."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """``(S - 1) / (M R + S - 1)``: the share of a device's time idle (a
+        schedule that runs its bubbles' slots counts them in its ticks)."""
+        ticks = self.num_microbatches * self.repeats + self.num_stages - 1
+        return (self.num_stages - 1) / ticks
+
+    def at(self, tick: jax.Array, stage: jax.Array) -> Tick:
+        """The forward slot of the device of ``stage`` at ``tick``: iteration
+        ``tick - stage`` of its ``M R``."""
+        total = self.num_microbatches * self.repeats
+        iteration = tick - stage
+        valid = (iteration >= 0) & (iteration < total)
+        safe = jnp.clip(iteration, 0, total - 1)
+        repeat = safe // self.num_microbatches
+        return Tick(
+            valid=valid,
+            microbatch=safe % self.num_microbatches,
+            repeat=repeat,
+            layer=repeat * self.num_stages + stage,
+            enters=valid & (stage == 0) & (repeat == 0),
+            exits=valid & (stage == self.num_stages - 1) & (repeat == self.repeats - 1),
         )
-    return schedule
+
+    def forward_ring(self) -> list[tuple[int, int]]:
+        """The ``ppermute`` pairs handing each activation to the next stage's
+        device (round the ring, last to first, when ``R > 1``)."""
+        pairs = [(d, d + 1) for d in range(self.num_stages - 1)]
+        return pairs + [(self.num_stages - 1, 0)] if self.repeats > 1 else pairs
+
+    def backward_ring(self) -> list[tuple[int, int]]:
+        """The ``ppermute`` pairs handing each cotangent to the previous
+        stage's device."""
+        return [(d + 1, d) for d in range(self.num_stages - 1)]
+
+    def _table(self, iteration: np.ndarray) -> np.ndarray:
+        """``(S, T, M)`` one-hot of ``iteration`` (``(S, T)``, ``M R`` valid)."""
+        valid = (iteration >= 0) & (iteration < self.num_microbatches * self.repeats)
+        micro = np.where(valid, iteration % self.num_microbatches, -1)
+        return micro[..., None] == np.arange(self.num_microbatches)

@@ -8,31 +8,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._device import Probes
 from jaxaccum._pipeline._layout import Prepared, place
-from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._types import PyTree
 from jaxaccum._window import FiniteReport
-
-
-def tick_microbatches(schedule: Schedule) -> np.ndarray:
-    """``(S, T, M)`` bool: which micro-batch device ``d``'s stage gradient
-    comes from at tick ``t`` (GPipe: the one it carries forward; 1F1B: its
-    backward slot's)."""
-    stage = np.arange(schedule.num_stages)[:, None]
-    iteration = np.arange(schedule.num_ticks)[None, :] - stage
-    if schedule.kind == "1f1b":
-        iteration = iteration + 2 * stage - 2 * (schedule.num_stages - 1)
-    valid = (iteration >= 0) & (
-        iteration < schedule.num_microbatches * schedule.repeats
-    )
-    micro = np.where(valid, iteration % schedule.num_microbatches, -1)
-    return micro[..., None] == np.arange(schedule.num_microbatches)
 
 
 def pipeline_stats(
@@ -48,7 +31,7 @@ def pipeline_stats(
         (raw.probes, raw.per_micro), prepared.mesh, PartitionSpec()
     )
     assert probes is not None
-    carries = jnp.asarray(tick_microbatches(schedule))[:, None]  # (S, 1, T, M)
+    carries = jnp.asarray(schedule.stage_gradient_table())[:, None]  # (S, 1, T, M)
     stage_sq = jnp.sum(jnp.where(carries, probes.stage[..., None], 0.0), (0, 2))
     piece_sq = probes.embed[0] + stage_sq + probes.head[-1]
     losses = per_micro.loss[-1]

@@ -1,248 +1,41 @@
 """The pipeline's front end: :func:`pipeline_value_and_grad`, its options
-through the core's, autodiff through the ``shard_map``'d loop, the loss
-scale and the window's normalisation."""
+through the core's, the call's schedule run (its class differentiates the
+window), the loss scale and the window's normalisation."""
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh
 from typing_extensions import Unpack
 
-from jaxaccum._loss_scale import (
-    loss_scale_report,
-    pop_loss_scale,
-    scale_loss,
-    tree_finite,
-    unscale,
-)
+from jaxaccum._loss_scale import loss_scale_report, pop_loss_scale
 from jaxaccum._options import (
     PIPELINE_REFUSED,
     AccumOptions,
     PipelineLayout,
 )
-from jaxaccum._pipeline._1f1b import run_window
-from jaxaccum._pipeline._calls import LossOut, takes_key
-from jaxaccum._pipeline._device import Probes, Static
+from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import (
     Prepared,
     check_callable_mesh,
-    layout_specs,
     like_container,
     like_params,
-    place,
     prepare,
     refuse_fp8_metadata,
-    reshape,
     resolve_mesh,
     unpack_params,
     with_microbatch_count,
 )
-from jaxaccum._pipeline._loop import on_device
-from jaxaccum._pipeline._schedule import schedule_on
-from jaxaccum._pipeline._stats import make_probes, probed, unshared, window_report
+from jaxaccum._pipeline._run import Raw, Run
+from jaxaccum._pipeline._schedules import schedule_on, schedule_type
+from jaxaccum._pipeline._stats import probed, window_report
 from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
 from jaxaccum._value_and_grad import check_differentiable
-from jaxaccum._window import (
-    AuxPlan,
-    accum_dtype_for,
-    microbatch_share,
-    normalized_value,
-)
+from jaxaccum._window import AuxPlan, normalized_value
 
 
-class _Raw(NamedTuple):
-    """The window's sums before normalisation.
-
-    Attributes:
-      sums: the :class:`LossOut` summed over micro-batches and devices.
-      per_micro: each device's per-micro-batch loss and weight,
-        ``(S, D, M)`` (the last stage's device's are the losses).
-      grads: the gradient of the loss sum, ``(embed, stages, head)``, the
-        stages in their ``(R, S, ...)`` layout, in the accumulation dtype.
-      probes: with ``report_stats`` or ``report_finite``, the per-tick
-        squared norms, else None.
-      share: what the loss sum was multiplied by before the backward pass
-        (:func:`_window_share`): ``grads`` is the window's gradient.
-      finite: with a loss scale, whether the sums and gradients (unscaled,
-        reduced over every stage and data shard) are all finite, else None.
-    """
-
-    sums: LossOut
-    per_micro: LossOut
-    grads: tuple
-    probes: Probes | None
-    share: jax.Array
-    finite: jax.Array | None = None
-
-
-def _window_share(
-    options: AccumOptions, num_means: int, weight: PyTree, dtype: Any = jnp.float32
-) -> jax.Array:
-    """What the window's loss sum is multiplied by before its backward pass,
-    so that every cotangent is the big batch's: the core's
-    :func:`microbatch_share` with the whole window as one piece of ``M D``
-    means. Every forward pass of a pipelined window runs before its backward
-    pass, so a weighted window's total weight ``W`` is known: its share is
-    exactly ``1 / W`` however unevenly the weight falls (0 at weight 0). In
-    ``dtype``, the loss sum's, at least float32."""
-    pieces = 1 if options.reduction == "weighted" else num_means
-    return microbatch_share(options, pieces, weight, dtype)
-
-
-def _laid_out(prepared: Prepared, options: AccumOptions, params, batch, key):
-    """``params``, ``batch`` and ``key`` placed on the mesh: the parameters
-    laid out for the stage axis in their own dtype, then cast up to the
-    accumulation dtype (their gradients accumulate and are reduced in it);
-    the batch over the data axis, the key replicated."""
-    mesh, schedule = prepared.mesh, prepared.schedule
-    specs = layout_specs(prepared, options)
-    embed, stages, head = params
-    stages = jax.tree.map(
-        lambda p, spec: reshape(
-            p, (schedule.repeats, schedule.num_stages, *p.shape[1:]), mesh, spec
-        ),
-        stages,
-        specs[1],
-    )
-    embed, head = (
-        jax.tree.map(lambda p, spec: place(p, mesh, spec), tree, tree_specs)
-        for tree, tree_specs in ((embed, specs[0]), (head, specs[2]))
-    )
-    params = jax.tree.map(
-        lambda p: p.astype(accum_dtype_for(p.dtype, options.accum_dtype)),
-        (embed, stages, head),
-    )
-    batch = place(batch, mesh, PartitionSpec(options.layout.data_axis))
-    return params, batch, place(key, mesh, PartitionSpec())
-
-
-def _static(prepared: Prepared, options: AccumOptions, bubble_fill: float) -> Static:
-    """What either schedule's per-device window is built from."""
-    return Static(
-        prepared.calls,
-        options,
-        prepared.schedule,
-        prepared.shapes,
-        prepared.fsdp_dims,
-        bubble_fill,
-    )
-
-
-def _device_spec(options: AccumOptions) -> PartitionSpec:
-    """A per-device output's spec: one entry per (stage, data shard)."""
-    return PartitionSpec(options.layout.stage_axis, options.layout.data_axis)
-
-
-def _per_device(prepared: Prepared, options: AccumOptions, window, **specs: Any):
-    """``window`` under ``shard_map`` on the step's mesh, manual over the
-    pipeline's axes (``specs``: its ``in_specs`` and ``out_specs``)."""
-    axes = set(options.layout.manual_axes)
-    return jax.shard_map(window, mesh=prepared.mesh, axis_names=axes, **specs)
-
-
-def _differentiate(
-    prepared: Prepared,
-    options: AccumOptions,
-    bubble_fill: float,
-    params: tuple,
-    batch: Batch,
-    key: Any,
-    loss_scale: jax.Array | None = None,
-) -> _Raw:
-    """GPipe: the pipelined loss sum and its gradient, autodiff through the
-    ``shard_map``'d scan (the gradients reduced once, at its boundary). With
-    ``loss_scale``, the loss sum is scaled before the backward pass and the
-    gradients unscaled after it, in float32."""
-    params, batch, key = _laid_out(prepared, options, params, batch, key)
-    probes, probe_spec = make_probes(prepared, options, loss_scale)
-    window = functools.partial(on_device, _static(prepared, options, bubble_fill))
-    run = _per_device(
-        prepared,
-        options,
-        window,
-        in_specs=(
-            layout_specs(prepared, options),
-            probe_spec,
-            PartitionSpec(options.layout.data_axis),
-            PartitionSpec(),
-        ),
-        out_specs=(PartitionSpec(), (PartitionSpec(), _device_spec(options))),
-    )
-    num_means = prepared.schedule.num_microbatches * prepared.shards
-
-    def differentiated(p, q):
-        total, (sums, per_micro) = run(p, q, batch, key)
-        dtype = jnp.promote_types(jnp.result_type(total), jnp.float32)
-        share = _window_share(options, num_means, sums.weight, dtype)
-        total = total * share
-        total = total if loss_scale is None else scale_loss(total, loss_scale)
-        return total, (sums, per_micro, share)
-
-    argnums = (0, 1) if probed(options) else 0
-    (_, (sums, per_micro, share)), grads = jax.value_and_grad(
-        differentiated, argnums, has_aux=True
-    )(params, probes)
-    grads, probe_grads = grads if probed(options) else (grads, None)
-    raw = _Raw(sums, per_micro, grads, unshared(probe_grads, share), share)
-    return raw if loss_scale is None else _unscaled(raw, loss_scale)
-
-
-def _one_f_one_b(
-    prepared: Prepared,
-    options: AccumOptions,
-    bubble_fill: float,
-    skip: bool,
-    params: tuple,
-    batch: Batch,
-    key: Any,
-    loss_scale: jax.Array | None = None,
-) -> _Raw:
-    """1F1B: the window's sums and gradient from :func:`run_window` (each
-    micro-batch's backward seeded with its share, times ``loss_scale``;
-    the gradients unscaled after, in float32). A weighted window's gradient
-    is of the loss sum until here, where it is divided by the total weight,
-    as the core's window does."""
-    params, batch, key = _laid_out(prepared, options, params, batch, key)
-    static = _static(prepared, options, bubble_fill)
-    run = _per_device(
-        prepared,
-        options,
-        functools.partial(run_window, static, skip),
-        in_specs=(
-            layout_specs(prepared, options),
-            PartitionSpec(options.layout.data_axis),
-            PartitionSpec(),
-            PartitionSpec(),
-        ),
-        out_specs=(
-            PartitionSpec(),
-            _device_spec(options),
-            layout_specs(prepared, options),
-            _device_spec(options),
-        ),
-    )
-    sums, per_micro, grads, probes = run(params, batch, key, loss_scale)
-    num_means = prepared.schedule.num_microbatches * prepared.shards
-    dtype = jnp.promote_types(jnp.result_type(sums.loss), jnp.float32)
-    share = _window_share(options, num_means, sums.weight, dtype)
-    if options.reduction == "weighted":  # the loss sum's: divided by W
-        grads = jax.tree.map(lambda g: (g * share).astype(g.dtype), grads)
-    raw = _Raw(sums, per_micro, grads, probes if probed(options) else None, share)
-    return raw if loss_scale is None else _unscaled(raw, loss_scale)
-
-
-def _unscaled(raw: _Raw, loss_scale: jax.Array) -> _Raw:
-    """``raw`` with its gradients (in their dtype) divided by the loss scale
-    (the probes' squared norms already were, leaf by leaf), and whether the
-    window is finite."""
-    grads = jax.tree.map(lambda g: unscale(g, loss_scale).astype(g.dtype), raw.grads)
-    finite = tree_finite((raw.sums.loss, raw.sums.weight, grads))
-    return raw._replace(grads=grads, finite=finite)
-
-
-def _normalize(raw: _Raw, prepared: Prepared, options: AccumOptions):
+def _normalize(raw: Raw, prepared: Prepared, options: AccumOptions):
     """The window's value and aux from its sums, as the core's window
     normalises them (:func:`normalized_value`, :meth:`AuxPlan.finalize`),
     over the ``M D`` micro-batch pieces, in ``loss_fn``'s dtypes; the
@@ -269,8 +62,10 @@ def make_pipeline(
     bubbles compute on ``bubble_fill`` (tests poison it with NaN); 1F1B's
     bubble slots are skipped by ``lax.cond`` unless ``skip_bubbles`` is False
     (computed on the fill and selected away: the benchmark's comparison)."""
+    layout = options.layout
+    schedule_type(layout.schedule, layout.repeats)  # fail at construction
     if mesh is not None and options.num_microbatches is not None:
-        schedule_on(resolve_mesh(mesh, options), options)  # fail at construction
+        schedule_on(resolve_mesh(mesh, options), options)
 
     def step(params: Params, batch: Batch, key: Any = None, **kwargs: PyTree) -> PyTree:
         scale = pop_loss_scale(kwargs, options.loss_scale)
@@ -295,14 +90,12 @@ def make_pipeline(
                 "(e.g. stage_fn(params, x, key)), or call the step without one."
             )
         check_callable_mesh(mesh)
-        call = with_microbatch_count(options, batch, resolve_mesh(mesh, options))
-        prepared = prepare(functions, call, mesh, (params, batch, key))
-        differentiate = (
-            functools.partial(_one_f_one_b, prepared, call, bubble_fill, skip_bubbles)
-            if call.layout.schedule == "1f1b"
-            else functools.partial(_differentiate, prepared, call, bubble_fill)
-        )
-        raw = jax.jit(differentiate)(
+        device_mesh = resolve_mesh(mesh, options)
+        call = with_microbatch_count(options, batch, device_mesh)
+        schedule = schedule_on(device_mesh, call)
+        prepared = prepare(functions, call, mesh, (params, batch, key), schedule)
+        run = Run(prepared, call, bubble_fill, skip_bubbles)
+        raw = jax.jit(functools.partial(schedule.differentiate, run))(
             params, batch, key, None if scale is None else scale.loss_scale
         )
         value, aux, grads = _normalize(raw, prepared, call)

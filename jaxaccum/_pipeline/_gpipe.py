@@ -1,15 +1,20 @@
-"""One device's GPipe (or circular) window under ``shard_map``, backward
-by autodiff through it: the first stage embeds every
-micro-batch, the ticks run (activations handed on by ``ppermute``,
-recirculated for ``repeats > 1``), the last stage takes every loss."""
+"""The GPipe schedule (circular when ``repeats > 1``): one device's window
+under ``shard_map``, backward by autodiff through it. The first stage
+embeds every micro-batch, the ticks run (activations handed on by
+``ppermute``, recirculated for ``repeats > 1``), the last stage takes every
+loss."""
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
+from jaxaccum._loss_scale import scale_loss
 from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import (
@@ -21,7 +26,88 @@ from jaxaccum._pipeline._device import (
     select,
     varying,
 )
+from jaxaccum._pipeline._run import Raw, Run, share_dtype
+from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._stats import make_probes, probed, unshared
 from jaxaccum._types import Batch, Fun, PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class GPipe(Schedule):
+    """GPipe: every forward pass in ``M R + S - 1`` ticks, device ``d``
+    running iteration ``t - d`` of its ``M R`` at tick ``t``; the backward
+    pass is autodiff's, through the loop (activation memory linear in
+    ``M``). Circular when ``R > 1``: an activation leaving the last stage
+    waits ``M - S`` ticks for the first stage's next repeat."""
+
+    name: ClassVar[str] = "gpipe"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        num, stages = self.num_microbatches, self.num_stages
+        if self.repeats > 1 and num < stages:
+            raise ValueError(
+                f"repeats={self.repeats} needs num_microbatches >= the "
+                f"{stages} stages, got {num}: a micro-batch leaving the last "
+                "stage re-enters the first stage M ticks after it first "
+                "entered, which must not be before the first stage has passed "
+                f"it on. Use M >= {stages}, or repeats=1 (any M; the bubble "
+                f"is then {stages - 1} of every {num + stages - 1} ticks)."
+            )
+
+    @property
+    def num_ticks(self) -> int:
+        """``M R + S - 1``: each device runs ``M R`` iterations, the last
+        starting ``S - 1`` ticks after the first."""
+        return self.num_microbatches * self.repeats + self.num_stages - 1
+
+    @property
+    def recirculation_delay(self) -> int:
+        """Ticks an activation leaving the last stage waits before the first
+        stage runs its next repeat: ``M - S`` (a buffer of that many)."""
+        return self.num_microbatches - self.num_stages if self.repeats > 1 else 0
+
+    @property
+    def first_exit(self) -> int:
+        """The tick micro-batch 0 leaves the last stage of the last repeat."""
+        return self.num_microbatches * (self.repeats - 1) + self.num_stages - 1
+
+    def stage_gradient_table(self) -> np.ndarray:
+        """A stage's gradient at a tick is its forward iteration's."""
+        ticks = np.arange(self.num_ticks)[None, :]
+        return self._table(ticks - np.arange(self.num_stages)[:, None])
+
+    def differentiate(
+        self, run: Run, params: tuple, batch: Any, key: Any, loss_scale: Any
+    ) -> Raw:
+        """The pipelined loss sum and its gradient, autodiff through the
+        ``shard_map``'d scan (the gradients reduced once, at its boundary).
+        With ``loss_scale``, the loss sum is scaled before the backward pass
+        and the gradients unscaled after it, in float32."""
+        prepared, options = run.prepared, run.options
+        params, batch, key = run.laid_out(params, batch, key)
+        probes, probe_spec = make_probes(prepared, options, loss_scale)
+        data = PartitionSpec(options.layout.data_axis)
+        window = run.per_device(
+            functools.partial(on_device, run.static()),
+            in_specs=(run.params_specs(), probe_spec, data, PartitionSpec()),
+            out_specs=(PartitionSpec(), (PartitionSpec(), run.device_spec())),
+        )
+
+        def differentiated(p, q):
+            total, (sums, per_micro) = window(p, q, batch, key)
+            share = run.share(sums.weight, share_dtype(total))
+            total = total * share
+            total = total if loss_scale is None else scale_loss(total, loss_scale)
+            return total, (sums, per_micro, share)
+
+        argnums = (0, 1) if probed(options) else 0
+        (_, (sums, per_micro, share)), grads = jax.value_and_grad(
+            differentiated, argnums, has_aux=True
+        )(params, probes)
+        grads, probe_grads = grads if probed(options) else (grads, None)
+        raw = Raw(sums, per_micro, grads, unshared(probe_grads, share), share)
+        return raw.unscaled(loss_scale)
 
 
 @jax.custom_vjp
@@ -56,6 +142,12 @@ class _Carry(NamedTuple):
 
     incoming: PyTree
     waiting: PyTree
+
+
+def _ticks(device: Device) -> GPipe:
+    """The device's schedule, a :class:`GPipe`."""
+    assert isinstance(device.schedule, GPipe)
+    return device.schedule
 
 
 def _map(fn: Fun, xs: tuple, unroll: int | bool) -> PyTree:
@@ -107,7 +199,7 @@ def _losses(device: Device, leaving: Any, probes: jax.Array | None) -> LossOut:
 def _recirculated(device: Device, carry: _Carry, tick_index: jax.Array):
     """The activation that left the last stage ``M`` iterations ago (the
     first stage's input for its next repeat), and the updated buffer."""
-    delay = device.schedule.recirculation_delay
+    delay = _ticks(device).recirculation_delay
     if delay == 0:
         return carry.incoming, carry.waiting
     slot = tick_index % delay
@@ -140,11 +232,8 @@ def _tick(device: Device, carry: _Carry, xs: tuple) -> tuple[_Carry, Any]:
         y = device.calls.stage(
             device.stages, device.own_stages, tick.repeat, tick.valid, probe, x, key
         )
-    num = schedule.num_stages
-    ring = [(d, d + 1) for d in range(num - 1)]
-    if schedule.repeats > 1:
-        ring.append((num - 1, 0))
-    incoming = lax.ppermute(y, device.options.layout.stage_axis, ring)
+    axis = device.options.layout.stage_axis
+    incoming = lax.ppermute(y, axis, schedule.forward_ring())
     return _Carry(incoming, waiting), select(tick.exits, y, device.fill)
 
 
@@ -161,7 +250,8 @@ def _run_ticks(device: Device, entering: Any, probes: jax.Array | None) -> PyTre
     indexed by tick, not buffers indexed by micro-batch in the carry (whose
     transposes would add a whole buffer per tick).
     """
-    schedule, num = device.schedule, device.schedule.num_microbatches
+    schedule = _ticks(device)
+    num = schedule.num_microbatches
     ticks = schedule.num_ticks
     pad = _repeated(device.fill, ticks - num)
     entering = jax.tree.map(lambda e, p: jnp.concatenate([e, p]), entering, pad)
@@ -174,8 +264,8 @@ def _run_ticks(device: Device, entering: Any, probes: jax.Array | None) -> PyTre
         (jnp.arange(ticks), entering, probes),
         unroll=device.options.unroll,
     )
-    first_exit = num * (schedule.repeats - 1) + schedule.num_stages - 1
-    return jax.tree.map(lambda y: y[first_exit : first_exit + num], leaving)
+    first = schedule.first_exit
+    return jax.tree.map(lambda y: y[first : first + num], leaving)
 
 
 def on_device(

@@ -1,0 +1,41 @@
+"""The one place a ``schedule=`` string becomes its class: adding a schedule
+is adding its class (a :class:`~jaxaccum._pipeline._schedule.Schedule`) to
+SCHEDULES."""
+
+from typing import Any
+
+from jaxaccum._options import PIPELINE_SCHEDULES, AccumOptions
+from jaxaccum._pipeline._1f1b import OneFOneB
+from jaxaccum._pipeline._gpipe import GPipe
+from jaxaccum._pipeline._schedule import Schedule
+
+SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (GPipe, OneFOneB)}
+assert tuple(SCHEDULES) == PIPELINE_SCHEDULES, "the options' names are these"
+
+
+def schedule_type(name: str, repeats: int) -> type[Schedule]:
+    """The class of ``schedule=name``, refusing a name it does not know and a
+    ``repeats`` it is not built for, each saying why."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {name!r}.")
+    cls = SCHEDULES[name]
+    cls.check_repeats(repeats)
+    return cls
+
+
+def builds(name: str, repeats: int) -> bool:
+    """Whether ``schedule=name`` is built for ``repeats``."""
+    try:
+        schedule_type(name, repeats)
+    except ValueError:
+        return False
+    return True
+
+
+def schedule_on(mesh: Any, options: AccumOptions) -> Schedule:
+    """The window's schedule on ``mesh`` (``options.num_microbatches`` set)."""
+    layout = options.layout
+    num = options.num_microbatches
+    assert num is not None, "the step resolves microbatch_size to M first"
+    cls = schedule_type(layout.schedule, layout.repeats)
+    return cls(mesh.shape[layout.stage_axis], num, layout.repeats)
