@@ -451,6 +451,23 @@ def test_the_bubble_fraction_formula():
 
 
 @settings(max_examples=40, deadline=None)
+@given(stages=st.integers(1, 6), num=st.integers(1, 12), repeats=st.integers(1, 3))
+def test_the_modeled_window_is_the_asynchronous_schedules(stages, num, repeats):
+    """Ticks in lockstep, each as long as its busiest device (F = 1, B = 2):
+    GPipe computes its bubbles, 3 (M R + S - 1); 1F1B skips its bubbles'
+    slots and takes 3 (M + S - 1), the asynchronous 1F1B's window, for any
+    M (its ramps cost a forward and a backward per tick)."""
+    assume(repeats == 1 or num >= stages)
+    gpipe = GPipe(stages, num, repeats)
+    assert gpipe.modeled_window() == 3 * (num * repeats + stages - 1)
+    assert gpipe.useful_work / gpipe.modeled_window() == pytest.approx(
+        1 - gpipe.bubble_fraction
+    )
+    if repeats == 1:
+        assert OneFOneB(stages, num).modeled_window() == 3 * (num + stages - 1)
+
+
+@settings(max_examples=40, deadline=None)
 @given(
     name=st.sampled_from(sorted(SCHEDULES)),
     stages=st.integers(1, 5),

@@ -97,6 +97,16 @@ class OneFOneB(Schedule):
         valid = (iteration >= 0) & (iteration < self.num_microbatches)
         return valid, jnp.clip(iteration, 0, self.num_microbatches - 1)
 
+    def busy_table(self) -> np.ndarray:
+        """A forward slot (1) and a backward slot (2) where they carry a
+        micro-batch (a bubble's slots are skipped)."""
+        ticks = np.arange(self.num_ticks)[None, :]
+        stage = np.arange(self.num_stages)[:, None]
+        forward = (ticks - stage >= 0) & (ticks - stage < self.num_microbatches)
+        iteration = ticks - 2 * self.lag + stage
+        backward = (iteration >= 0) & (iteration < self.num_microbatches)
+        return forward * 1.0 + backward * 2.0
+
     def stage_gradient_table(self) -> np.ndarray:
         """A stage's gradient at a tick is its backward slot's."""
         ticks = np.arange(self.num_ticks)[None, :]

@@ -72,6 +72,11 @@ class GPipe(Schedule):
         """The tick micro-batch 0 leaves the last stage of the last repeat."""
         return self.num_microbatches * (self.repeats - 1) + self.num_stages - 1
 
+    def busy_table(self) -> np.ndarray:
+        """Every tick a forward (the loop) and a backward (its transpose) on
+        every device, a bubble's computed on the fill: 3 each."""
+        return np.full((self.num_stages, self.num_ticks), 3.0)
+
     def stage_gradient_table(self) -> np.ndarray:
         """A stage's gradient at a tick is its forward iteration's."""
         ticks = np.arange(self.num_ticks)[None, :]

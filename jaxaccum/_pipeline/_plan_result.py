@@ -90,14 +90,13 @@ class PipelinePlan:
 
 
 def efficiency(schedule: Schedule, remat: Remat, recompute: float) -> float:
-    """The share of a window's stage work that is useful: ``M R`` of ``M R +
-    S - 1`` ticks' worth of a stage's forward and backward pass carry a
-    micro-batch, and ``remat`` adds its forward again (``recompute`` of the
+    """The share of a window's modeled time that is useful work: a
+    device's ``3 M R`` over the schedule's :meth:`Schedule.modeled_window`,
+    and ``remat`` adds a forward to each backward (``recompute`` of the
     two; an upper bound for a checkpoint policy). GPipe computes its bubbles
-    on masked inputs; 1F1B's ``M + 2 (S - 1)`` ticks skip theirs, its
-    ``S - 1`` first a forward's and its ``S - 1`` last a backward's, the
-    same ``M + S - 1`` ticks' worth (the schedules differ in memory)."""
-    useful = 1 - schedule.bubble_fraction
+    on masked inputs, ``3 (M R + S - 1)``; 1F1B skips its bubbles' slots,
+    ``3 (M + S - 1)`` too (the schedules differ in memory)."""
+    useful = schedule.useful_work / schedule.modeled_window()
     return useful / (1 + (recompute if remat else 0.0))
 
 

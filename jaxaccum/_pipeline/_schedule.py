@@ -70,6 +70,23 @@ class Schedule(abc.ABC):
         """The loop's length."""
 
     @abc.abstractmethod
+    def busy_table(self) -> np.ndarray:
+        """``(S, T)``: each device's work at each tick in units of one
+        stage's forward pass (a backward pass 2), the slots it computes
+        (a bubble computed on the fill counts; one skipped does not)."""
+
+    def modeled_window(self) -> float:
+        """The window's modeled time in units of one stage's forward pass:
+        the ticks run in lockstep, each as long as its busiest device."""
+        return float(self.busy_table().max(axis=0).sum())
+
+    @property
+    def useful_work(self) -> float:
+        """A device's useful work in the window: a forward and a backward
+        pass of each of its ``M R`` (micro-batch, repeat) pairs, ``3 M R``."""
+        return 3.0 * self.num_microbatches * self.repeats
+
+    @abc.abstractmethod
     def stage_gradient_table(self) -> np.ndarray:
         """``(S, T, M)`` bool: the micro-batch whose stage gradient device
         ``d`` computes at tick ``t`` (the statistics' per-tick probes)."""
