@@ -27,7 +27,8 @@ are tagged ``_xla_loop_unroll_strategy="double-buffer"``
 the median / min / max step time of REPEATS steps after warm-up, compile
 seconds, compiled temporaries and footprint, the measured peak, tokens per
 second and the model FLOPs utilisation from ``Config.flops_per_token``
-(XLA's ``cost_analysis()`` does not count cuBLAS calls) against PEAK_FLOPS.
+(XLA's ``cost_analysis()`` does not count cuBLAS calls) against
+``gpu_worker.PEAK_FLOPS``.
 A jaxaccum job also times one micro-batch's ``jax.value_and_grad`` alone,
 so that N times it, against the window, separates the window's own cost
 from the model's at the smaller batch. Jobs run in the order given, until
@@ -50,8 +51,6 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from common import RESULTS, spread  # noqa: E402
 from gpu_summary import summarize, table  # noqa: E402
 
-# Dense bf16 peak of an H100/H200 SXM by the vendor's datasheet (FLOP/s).
-PEAK_FLOPS = {"gpu": 989e12}
 TAG = {"_xla_loop_unroll_strategy": "double-buffer"}
 VARIANTS = {
     "default": ("", False),
