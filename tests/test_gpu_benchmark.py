@@ -63,3 +63,36 @@ def test_gpu_benchmark_smoke_runs_every_contender(tmp_path):
     plan = jobs["plan"]
     assert plan["planned_footprint_bytes"] <= plan["budget_bytes"]
     assert plan["num_microbatches"] > 1, plan["table"]
+
+
+def test_the_summary_splits_a_window_into_the_models_time_and_its_own():
+    """A window of N micro-batches is N one-micro-batch passes plus the
+    update (the full step less its value_and_grad) plus its own cost."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_summary import summarize
+
+    def job(kind, num, median, **extra):
+        return {
+            "job": f"{kind}-N{num}",
+            "kind": kind,
+            "num": num,
+            "scan_layers": True,
+            "batch": None,
+            "variant": "default",
+            "step_ms": {"median": median},
+            "temp_bytes": 2**30,
+            "peak_bytes": None,
+            "tokens_per_second": 1.0,
+            "mfu": 0.5,
+            **extra,
+        }
+
+    full = job("full", 1, 100.0, value_and_grad_ms={"median": 98.0})
+    window = job("jaxaccum", 4, 110.0, micro_value_and_grad_ms={"median": 26.0})
+    rows = {row["job"]: row for row in summarize([full, window, {"job": "fp8"}])}
+    assert set(rows) == {"full-N1", "jaxaccum-N4"}
+    row = rows["jaxaccum-N4"]
+    assert row["vs_full"] == 1.1
+    assert row["model_floor_ms"] == 4 * 26.0 + 2.0  # the update: 100 - 98
+    assert row["window_own_ms"] == 110.0 - 106.0
+    assert row["floor_vs_full"] == 1.06
