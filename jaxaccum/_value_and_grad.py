@@ -45,16 +45,10 @@ def value_and_grad(
     num_microbatches: int | None = None,
     **options: Unpack[AccumKwargs],
 ) -> Fun:
-    """Creates a function that evaluates ``fun`` and its gradient by micro-batches.
+    """Returns a function computing ``fun``'s value and gradient by micro-batches.
 
-    Forward + backward runs on ``N`` strided micro-batches (example ``i`` in
-    micro-batch ``i mod N``), one at a time in one ``jax.lax.scan`` traced once
-    whatever ``N``; the result equals ``jax.value_and_grad(fun)`` on the whole
-    batch. Each micro-batch is differentiated at its share of the window, so
-    its cotangents are the big batch's; FP8 metadata (Flax's
-    ``_overwrite_with_gradient`` collection) comes back as the window's max.
-    Guides: [In-step accumulation](../guides/in-step.md), [mixed
-    precision](../guides/mixed-precision.md).
+    Equal to ``jax.value_and_grad(fun)`` on the whole batch, one micro-batch at
+    a time in one ``jax.lax.scan``. Guide: [In-step](../guides/in-step.md).
 
     Args:
       fun: the loss, ``fun(*args, **kwargs)``: a scalar (``(loss, aux)`` with
@@ -102,20 +96,14 @@ def value_and_grad(
       ValueError: for an option out of range or a batch ``N`` does not divide.
 
     Examples:
-      >>> import jax, jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp
       >>> import jaxaccum
       >>> def loss(params, batch):
       ...     return jnp.mean((batch["x"] @ params - batch["y"]) ** 2)
-      >>> params = jnp.ones(3)
       >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros(8)}
       >>> step = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4))
-      >>> value, grads = step(params, batch)
-      >>> value, grads
+      >>> step(jnp.ones(3), batch)
       (Array(9., dtype=float32), Array([6., 6., 6.], dtype=float32))
-      >>> optimizer = optax.sgd(0.125)
-      >>> updates, _ = optimizer.update(grads, optimizer.init(params))
-      >>> optax.apply_updates(params, updates)
-      Array([0.25, 0.25, 0.25], dtype=float32)
     """
     return make_accumulated(
         fun,
