@@ -15,14 +15,14 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from jaxaccum import growth as growth
+from jaxaccum._accumulate import accumulate as accumulate
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxaccum._loss_scale import LossScaleReport as LossScaleReport
 from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from jaxaccum._loss_scale import select_if_finite as select_if_finite
 from jaxaccum._loss_scale import update_loss_scale as update_loss_scale
 from jaxaccum._multisteps import MultiSteps as MultiSteps
-from jaxaccum._multisteps import MultiStepsState as MultiStepsState
-from jaxaccum._multisteps import accumulate as accumulate
+from jaxaccum._multisteps_state import MultiStepsState as MultiStepsState
 from jaxaccum._noise_scale import NoiseEstimates as NoiseEstimates
 from jaxaccum._noise_scale import WindowStats as WindowStats
 from jaxaccum._pipeline import PipelinePlan as PipelinePlan
