@@ -21,6 +21,7 @@ from jaxaccum._loss_scale import LossScaleReport as LossScaleReport
 from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from jaxaccum._loss_scale import select_if_finite as select_if_finite
 from jaxaccum._loss_scale import update_loss_scale as update_loss_scale
+from jaxaccum._memory_budget import parse_memory_budget as parse_memory_budget
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps_state import MultiStepsState as MultiStepsState
 from jaxaccum._noise_scale import NoiseEstimates as NoiseEstimates
@@ -31,11 +32,10 @@ from jaxaccum._pipeline import pipeline_value_and_grad as pipeline_value_and_gra
 from jaxaccum._pipeline import plan_pipeline as plan_pipeline
 from jaxaccum._plan import MemoryPlan as MemoryPlan
 from jaxaccum._plan import MemoryPlanRow as MemoryPlanRow
-from jaxaccum._plan import ModePlan as ModePlan
-from jaxaccum._plan import ModePlanRow as ModePlanRow
-from jaxaccum._plan import parse_memory_budget as parse_memory_budget
 from jaxaccum._plan import plan as plan
-from jaxaccum._plan import plan_modes as plan_modes
+from jaxaccum._plan_modes import ModePlan as ModePlan
+from jaxaccum._plan_modes import ModePlanRow as ModePlanRow
+from jaxaccum._plan_modes import plan_modes as plan_modes
 from jaxaccum._reduce import masked_sum as masked_sum
 from jaxaccum._shard import shard_batch as shard_batch
 from jaxaccum._shard import shard_value_and_grad as shard_value_and_grad
