@@ -24,10 +24,11 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from typing_extensions import Unpack
 
 from jaxaccum import _split
+from jaxaccum._call_checks import check_arg_count
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree, ShardKwargs
-from jaxaccum._value_and_grad import check_arg_count, make_accumulated
+from jaxaccum._value_and_grad import make_accumulated
 
 DataAxis = str | Sequence[str]
 
