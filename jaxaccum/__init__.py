@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxaccum import growth as growth
 from jaxaccum._accumulate import accumulate as accumulate
+from jaxaccum._batch_nodes import register_batch_node as register_batch_node
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxaccum._loss_scale import LossScaleReport as LossScaleReport
 from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
@@ -40,7 +41,6 @@ from jaxaccum._reduce import masked_sum as masked_sum
 from jaxaccum._shard import shard_batch as shard_batch
 from jaxaccum._shard import shard_value_and_grad as shard_value_and_grad
 from jaxaccum._split import pad_microbatches as pad_microbatches
-from jaxaccum._split import register_batch_node as register_batch_node
 from jaxaccum._split import split_batch as split_batch
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from typing_extensions import Unpack
 
-from jaxaccum import _split
+from jaxaccum import _batch_nodes, _split
 from jaxaccum._call_checks import check_arg_count
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
@@ -225,7 +225,7 @@ def shard_value_and_grad(
                 # A device's rows, their registered nodes labelled so.
                 is_batch = num in options.batch_nums
                 call_args[num] = (
-                    _split.relabelled(value, batch_size) if is_batch else value
+                    _batch_nodes.relabelled(value, batch_size) if is_batch else value
                 )
             return per_device(*call_args, **call_kwargs)
 
