@@ -6,7 +6,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum._options import AccumOptions, check_scalar
+from jaxaccum._checks import check_scalar
+from jaxaccum._options import AccumOptions
 from jaxaccum._types import PyTree
 
 

@@ -7,8 +7,9 @@ from typing import Any
 import flax.core
 from typing_extensions import Unpack
 
+from jaxaccum._checks import check_accepts_example_mask
 from jaxaccum._metadata import OVERWRITE_WITH_GRADIENT
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions, check_accepts_example_mask
+from jaxaccum._options import SHARD_OPTIONS, AccumOptions
 from jaxaccum._types import Batch, FlaxKwargs, Fun, Params, PyTree
 from jaxaccum._value_and_grad import make_accumulated
 

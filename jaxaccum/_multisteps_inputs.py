@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum._options import check_scalar, static_scalar
+from jaxaccum._checks import check_scalar, static_scalar
 from jaxaccum._types import Fun, PyTree
 
 EveryKSchedule = int | Callable[[jax.Array], jax.typing.ArrayLike]

@@ -37,14 +37,9 @@ import optax
 from typing_extensions import Unpack
 
 from jaxaccum import _split
+from jaxaccum._checks import argnums_tuple, candidate_counts
 from jaxaccum._memory_budget import parse_memory_budget
-from jaxaccum._options import (
-    NO_LOSS_SCALE,
-    SHARD_OPTIONS,
-    AccumOptions,
-    argnums_tuple,
-    candidate_counts,
-)
+from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
 from jaxaccum._types import Fun, PlanKwargs, PyTree
 from jaxaccum._value_and_grad import make_accumulated
 

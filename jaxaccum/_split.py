@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccum._batch_nodes import check_static_sizes, label, relabelled, resized_treedef
-from jaxaccum._options import check_count
+from jaxaccum._checks import check_count
 from jaxaccum._types import Batch, PyTree
 
 

@@ -15,9 +15,10 @@ from jaxaccum._call_checks import (
     check_differentiable_args,
     pop_active_microbatches,
 )
+from jaxaccum._checks import check_accepts_example_mask
 from jaxaccum._loss_scale import pop_loss_scale, select_if_finite
 from jaxaccum._microbatch import micro_value_and_grad, window_inputs
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions, check_accepts_example_mask
+from jaxaccum._options import SHARD_OPTIONS, AccumOptions
 from jaxaccum._packaging import package
 from jaxaccum._types import AccumKwargs, Fun, PyTree
 from jaxaccum._window_loop import run_scan, run_single
