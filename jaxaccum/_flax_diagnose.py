@@ -18,7 +18,7 @@ from jaxaccum._options import COMPARE_REFUSED, AccumOptions
 from jaxaccum._types import Batch, FlaxCompareKwargs, Fun, Params, PyTree
 
 if TYPE_CHECKING:
-    from jaxaccum._diagnose import Diagnosis
+    from jaxaccum._diagnosis import Diagnosis
 
 
 ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")

@@ -47,7 +47,7 @@ from jaxaccum._value_and_grad import (
 )
 
 if TYPE_CHECKING:
-    from jaxaccum._diagnose import Diagnosis
+    from jaxaccum._diagnosis import Diagnosis
 
 __all__ = [
     "filter_assert_grads_match_full_batch",
