@@ -169,8 +169,13 @@ class SphinxRoles(griffe.Extension):
     def _resolve(self, target: str, scope: str) -> str | None:
         """The documented path ``target`` means, seen from the object ``scope``."""
         candidates = [target, f"jaxaccum.{target}"]
-        parts = scope.split(".")
-        candidates += [".".join(parts[:i] + [target]) for i in range(len(parts), 0, -1)]
+        # from where the object is defined, then from where it is documented
+        # (a private module's function re-exported by a public one)
+        for where in dict.fromkeys([scope, self.paths.get(scope, scope)]):
+            parts = where.split(".")
+            candidates += [
+                ".".join(parts[:i] + [target]) for i in range(len(parts), 0, -1)
+            ]
         for candidate in candidates:
             if candidate in self.paths:
                 return self.paths[candidate]

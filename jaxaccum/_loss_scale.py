@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum._options import check_scalar
+from jaxaccum._checks import check_scalar
 from jaxaccum._types import PyTree
 
 

@@ -1,5 +1,4 @@
-"""Memory planner: the fewest micro-batches whose compiled step fits a budget,
-and the sharded modes' memory and communication (:func:`plan_modes`).
+"""Memory planner: the fewest micro-batches whose compiled step fits a budget.
 
 Figures are per device: for sharded arguments ``memory_analysis()`` counts each
 device's shards, so a parameter sharded over ``D`` devices counts ``1/D``.
@@ -29,47 +28,20 @@ some headroom.
 """
 
 import dataclasses
-import fractions
-import math
-import numbers
-import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
-from jax.sharding import AbstractMesh, Mesh
 from typing_extensions import Unpack
 
 from jaxaccum import _split
-from jaxaccum._hlo import window_bytes
-from jaxaccum._options import (
-    NO_LOSS_SCALE,
-    SHARD_OPTIONS,
-    AccumOptions,
-    argnums_tuple,
-    candidate_counts,
-)
-from jaxaccum._shard import DataAxis, shard_value_and_grad
-from jaxaccum._types import Fun, ModePlanKwargs, PlanKwargs, PyTree, ShardMode
+from jaxaccum._checks import argnums_tuple, candidate_counts
+from jaxaccum._memory_budget import parse_memory_budget
+from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
+from jaxaccum._types import Fun, PlanKwargs, PyTree
 from jaxaccum._value_and_grad import make_accumulated
-
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "pb": 10**15,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pib": 2**50,
-}
-_BUDGET_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,74 +104,6 @@ class MemoryPlan:
             f"footprint {format_bytes(self.footprint_bytes)}"
         )
         return header + "\n" + _format_rows(self.rows, self.num_microbatches)
-
-
-def parse_memory_budget(memory_budget: int | float | str) -> int:
-    """Returns a memory budget in bytes.
-
-    Args:
-      memory_budget: bytes (a positive number); a string of a number and a unit,
-        decimal (``B``, ``KB``, ``MB``, ``GB``, ``TB``, ``PB``: powers of 1000)
-        or binary (``KiB``, ``MiB``, ``GiB``, ``TiB``, ``PiB``: powers of 1024),
-        case-insensitive, such as ``"2GiB"`` or ``"1.5 GB"``; or ``"device"``:
-        the memory XLA's allocator may use on the first local device
-        (``bytes_limit`` of ``memory_stats()``; not reported on CPU).
-
-    Returns:
-      The budget in whole bytes (fractions of a byte are dropped).
-
-    Raises:
-      ValueError: for an empty, negative, zero or unparsable budget, an unknown
-        unit, or ``"device"`` on a device that reports no memory statistics.
-      TypeError: for a budget that is neither a number nor a string.
-
-    Examples:
-      >>> import jaxaccum
-      >>> jaxaccum.parse_memory_budget("512MB"), jaxaccum.parse_memory_budget("2GiB")
-      (512000000, 2147483648)
-      >>> jaxaccum.parse_memory_budget("1.5 gb")
-      1500000000
-    """
-    if isinstance(memory_budget, np.ndarray | jax.Array) and memory_budget.shape == ():
-        memory_budget = memory_budget.item()  # a 0-d NumPy or JAX number
-    if isinstance(memory_budget, bool) or not isinstance(
-        memory_budget, numbers.Real | str
-    ):
-        raise TypeError(
-            "memory_budget must be a number of bytes, a string such as '2GiB' or "
-            f"'512MB', or 'device'; got {memory_budget!r} of type "
-            f"{type(memory_budget).__name__}."
-        )
-    if isinstance(memory_budget, str):
-        text = memory_budget.strip().lower()
-        if text == "device":
-            return _device_budget()
-        match = _BUDGET_PATTERN.fullmatch(text)
-        if match is None:
-            raise ValueError(
-                f"Cannot read memory_budget={memory_budget!r}: write a "
-                "non-negative number and a unit, such as '2GiB', '512MB' or "
-                "'1.5GB', or pass 'device' or a number of bytes."
-            )
-        number, unit = match.groups()
-        unit = unit or "b"
-        if unit not in _UNITS:
-            raise ValueError(
-                f"Unknown unit {unit!r} in memory_budget={memory_budget!r}. Use "
-                "B, KB, MB, GB, TB, PB (powers of 1000) or KiB, MiB, GiB, TiB, "
-                "PiB (powers of 1024); e.g. write '2GB' or '2GiB', not '2G'."
-            )
-        budget = math.floor(fractions.Fraction(number) * _UNITS[unit])
-    elif not math.isfinite(memory_budget):
-        raise ValueError(f"memory_budget must be finite, got {memory_budget!r}.")
-    else:
-        budget = math.floor(memory_budget)
-    if budget < 1:
-        raise ValueError(
-            f"memory_budget must be at least 1 byte, got {memory_budget!r} "
-            f"({budget} bytes)."
-        )
-    return budget
 
 
 def plan(
@@ -336,178 +240,6 @@ def plan(
         rows=tuple(rows[num] for num in sorted(rows)),
         includes_optimizer=optimizer is not None,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModePlanRow:
-    """One ``param_gather`` x ``grad_reduce`` combination, compiled.
-
-    Attributes:
-      param_gather: when FSDP parameters are gathered.
-      grad_reduce: when gradients are reduced.
-      total_bytes: the per-device footprint (arguments + outputs +
-        temporaries - aliased), from ``compiled.memory_analysis()``.
-      temp_bytes: the per-device temporaries (gathered parameters, gradient
-        accumulators, activations).
-      window_bytes: bytes the step's collectives move per window and device
-        (:func:`jaxaccum.testing.window_bytes`).
-      fits: whether ``total_bytes`` is within the budget.
-    """
-
-    param_gather: str
-    grad_reduce: str
-    total_bytes: int
-    temp_bytes: int
-    window_bytes: int
-    fits: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ModePlan:
-    """The result of :func:`plan_modes`; ``print`` it for the table.
-
-    Attributes:
-      param_gather: the chosen ``param_gather`` (pass it on with
-        ``grad_reduce`` to :func:`jaxaccum.shard_value_and_grad`).
-      grad_reduce: the chosen ``grad_reduce``.
-      num_microbatches: ``N``, as compiled.
-      memory_budget: the budget in bytes.
-      rows: every combination compiled.
-    """
-
-    param_gather: str
-    grad_reduce: str
-    num_microbatches: int
-    memory_budget: int
-    rows: tuple[ModePlanRow, ...]
-
-    def __str__(self) -> str:
-        lines = [
-            f"Sharded modes at num_microbatches={self.num_microbatches}, budget "
-            f"{format_bytes(self.memory_budget)} per device -> param_gather="
-            f"{self.param_gather!r}, grad_reduce={self.grad_reduce!r}",
-            f"  {'param_gather':>12}  {'grad_reduce':>11}  {'per device':>10}  "
-            f"{'temp':>10}  {'comm/window':>11}  fits",
-        ]
-        for row in self.rows:
-            chosen = (row.param_gather, row.grad_reduce) == (
-                self.param_gather,
-                self.grad_reduce,
-            )
-            lines.append(
-                f"{'>' if chosen else ' '} {row.param_gather:>12}  "
-                f"{row.grad_reduce:>11}  {format_bytes(row.total_bytes):>10}  "
-                f"{format_bytes(row.temp_bytes):>10}  "
-                f"{format_bytes(row.window_bytes):>11}  {'yes' if row.fits else 'no'}"
-            )
-        return "\n".join(lines)
-
-
-def plan_modes(
-    fun: Fun,
-    *args: PyTree,
-    num_microbatches: int,
-    memory_budget: int | float | str,
-    mesh: Mesh | AbstractMesh | None = None,
-    data_axis: DataAxis = "data",
-    **shard_kwargs: Unpack[ModePlanKwargs],
-) -> ModePlan:
-    """Compares the ``param_gather`` x ``grad_reduce`` modes of a sharded step.
-
-    Compiles ``jax.jit(jaxaccum.shard_value_and_grad(fun, num_microbatches,
-    param_gather=..., grad_reduce=..., **shard_kwargs))`` for the four
-    combinations of ``"window"`` and ``"microbatch"`` and reads, per device,
-    its memory (``compiled.memory_analysis()``, which for a sharded program
-    counts each device's shards) and the bytes its collectives move per window
-    (the compiled HLO). Chooses the combination that moves the fewest bytes
-    among those that fit (the fewer bytes on a tie in memory).
-
-    Args:
-      fun: the loss function.
-      *args: its arguments, sharded as in training (arrays, or
-        ``jax.ShapeDtypeStruct`` values with a ``sharding``).
-      num_microbatches: ``N``.
-      memory_budget: per-device bytes or a string such as ``"16GiB"``.
-      mesh: the mesh; by default the one set with ``jax.set_mesh``.
-      data_axis: the mesh axis (or axes) the batch is sharded over, as for
-        :func:`jaxaccum.shard_value_and_grad`.
-      **shard_kwargs: other keyword arguments of
-        :func:`jaxaccum.shard_value_and_grad` (``reduction``,
-        ``gather_dtype``, ...).
-
-    Returns:
-      A :class:`ModePlan`.
-
-    Raises:
-      ValueError: if no combination fits (with the table).
-    """
-    chosen = "plan_modes compiles every param_gather x grad_reduce combination itself."
-    AccumOptions.check_keywords(
-        "plan_modes",
-        shard_kwargs,
-        refused={
-            "param_gather": chosen,
-            "grad_reduce": chosen,
-            "loss_scale": NO_LOSS_SCALE,
-        },
-    )
-    budget = parse_memory_budget(memory_budget)
-    rows = []
-    modes: tuple[ShardMode, ...] = ("window", "microbatch")
-    for gather in modes:
-        for reduce in modes:
-            step = shard_value_and_grad(
-                fun,
-                num_microbatches,
-                mesh=mesh,
-                data_axis=data_axis,
-                param_gather=gather,
-                grad_reduce=reduce,
-                **shard_kwargs,
-            )
-            compiled = jax.jit(step).lower(*args).compile()
-            analysis = compiled.memory_analysis()
-            if analysis is None:
-                raise ValueError(
-                    f"The {jax.default_backend()} backend gives no memory "
-                    "analysis for compiled programs; plan_modes cannot measure."
-                )
-            total = total_bytes(analysis)
-            rows.append(
-                ModePlanRow(
-                    gather,
-                    reduce,
-                    total,
-                    analysis.temp_size_in_bytes,
-                    window_bytes(compiled, num_microbatches),
-                    total <= budget,
-                )
-            )
-    fitting = [row for row in rows if row.fits]
-    result = ModePlan("", "", num_microbatches, budget, tuple(rows))
-    if not fitting:
-        raise ValueError(
-            f"No mode fits memory_budget={format_bytes(budget)} per device; "
-            "raise num_microbatches (less activation memory) or the budget.\n"
-            + str(result)
-        )
-    best = min(fitting, key=lambda row: (row.window_bytes, row.total_bytes))
-    return dataclasses.replace(
-        result, param_gather=best.param_gather, grad_reduce=best.grad_reduce
-    )
-
-
-def _device_budget() -> int:
-    device = jax.local_devices()[0]
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        raise ValueError(
-            f"memory_budget='device' needs the device's memory statistics, but "
-            f"{device.platform} device {device} reports none (memory_stats() "
-            f"returned {stats!r}; CPU devices never do). Pass the budget in "
-            "bytes or as a string such as '2GiB'."
-        )
-    return int(stats["bytes_limit"])
 
 
 def _check_candidates(candidates: Iterable[int] | None, batch_size: int) -> list[int]:

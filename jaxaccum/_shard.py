@@ -23,11 +23,12 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from typing_extensions import Unpack
 
-from jaxaccum import _split
+from jaxaccum import _batch_nodes, _split
+from jaxaccum._call_checks import check_arg_count
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree, ShardKwargs
-from jaxaccum._value_and_grad import check_arg_count, make_accumulated
+from jaxaccum._value_and_grad import make_accumulated
 
 DataAxis = str | Sequence[str]
 
@@ -127,14 +128,10 @@ def shard_value_and_grad(
     data_axis: DataAxis = "data",
     **keywords: Unpack[ShardKwargs],
 ) -> Fun:
-    """:func:`jaxaccum.value_and_grad` with one gradient all-reduce per window.
+    """Returns :func:`jaxaccum.value_and_grad`'s step, all-reducing once per window.
 
-    Under ``jax.shard_map``, manual over ``data_axis``, each device accumulates
-    the sums of its own rows' ``N`` strided micro-batches; one ``psum`` after
-    the loop combines them, so the result equals the full batch's. Gradients
-    come back sharded as their parameters (replicated, FSDP, tensor parallel).
-    What differs from :func:`jaxaccum.value_and_grad`, the FSDP modes and Auto
-    meshes: [Data parallel, multi-host and sharded models](../guides/distributed.md).
+    Each device accumulates its rows' micro-batches under ``jax.shard_map``, then
+    one ``psum``. Guide: [Data parallel and sharded](../guides/distributed.md).
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
@@ -145,8 +142,8 @@ def shard_value_and_grad(
       **keywords: the keyword options below.
 
     Keyword Args:
-      microbatch_size: examples per micro-batch over all devices, instead of
-        ``N``; a multiple of ``D``.
+      microbatch_size: examples per micro-batch over all devices (a multiple of
+        ``D``), instead of ``N``.
       argnums: as for :func:`jaxaccum.value_and_grad`.
       batch_argnums: as for :func:`jaxaccum.value_and_grad`; sharded over
         ``data_axis`` on axis 0 (resharded if they are not).
@@ -161,30 +158,23 @@ def shard_value_and_grad(
       remat: as for :func:`jaxaccum.value_and_grad`.
       report_stats: also return a :class:`jaxaccum.WindowStats` of each
         device's local micro-batch norms (``b = B / (N D)``).
-      param_gather: ``"auto"``, ``"window"`` or ``"microbatch"``: whether
-        parameters sharded over ``data_axis`` are all-gathered once per window
-        or in every micro-batch (``"auto"``: every micro-batch).
-      grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: whether
-        gradients are reduced over ``data_axis`` once per window or in every
-        micro-batch (``"auto"``: every micro-batch for FSDP leaves only, once
-        per window for the others).
-      gather_dtype: a dtype such as ``jnp.bfloat16`` that FSDP shards are cast
-        to for their all-gather; the loss sees them in their own dtype.
-      loss_scale: as for :func:`jaxaccum.value_and_grad`: the call's
-        ``loss_scale=`` scales every device's micro-batches; the window is
-        finite on every device or on none.
+      param_gather: ``"auto"`` (``"microbatch"``), ``"window"`` or ``"microbatch"``:
+        when parameters sharded over ``data_axis`` are all-gathered.
+      grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: when gradients
+        are reduced (``"auto"``: every micro-batch for FSDP leaves, else once).
+      gather_dtype: a dtype (``jnp.bfloat16``) FSDP shards are cast to for their
+        all-gather; the loss sees them in their own dtype.
+      loss_scale: as for :func:`jaxaccum.value_and_grad`; the window is finite
+        on every device or on none.
 
     Returns:
-      A function with ``fun``'s positional signature returning ``(value,
-      grads)`` (``((value, aux), grads)`` with ``has_aux``; with
-      ``report_stats`` or ``loss_scale``, ``(that, report)``): gradients
-      sharded as the parameters, everything else replicated.
+      A function with ``fun``'s positional signature returning what
+      :func:`jaxaccum.value_and_grad`'s does (no ``new_state``, no finite
+      report): gradients sharded as the parameters, the rest replicated.
 
     Raises:
-      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``, which
-        it does not take, and as :func:`jaxaccum.value_and_grad` does.
-      ValueError: without a mesh, for a ``data_axis`` not in it, and as
-        :func:`jaxaccum.value_and_grad` does.
+      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``.
+      ValueError: without a mesh or for a ``data_axis`` not in it.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -235,7 +225,7 @@ def shard_value_and_grad(
                 # A device's rows, their registered nodes labelled so.
                 is_batch = num in options.batch_nums
                 call_args[num] = (
-                    _split.relabelled(value, batch_size) if is_batch else value
+                    _batch_nodes.relabelled(value, batch_size) if is_batch else value
                 )
             return per_device(*call_args, **call_kwargs)
 

@@ -37,12 +37,8 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
         'install "jaxaccum[equinox]"'
     ) from error
 
-from jaxaccum._options import (
-    COMPARE_REFUSED,
-    SHARD_OPTIONS,
-    AccumOptions,
-    check_accepts_example_mask,
-)
+from jaxaccum._checks import check_accepts_example_mask
+from jaxaccum._options import COMPARE_REFUSED, SHARD_OPTIONS, AccumOptions
 from jaxaccum._types import FilterCompareKwargs, FilterKwargs, Fun, Params, PyTree
 from jaxaccum._value_and_grad import (
     add_call_parameters,
@@ -51,7 +47,7 @@ from jaxaccum._value_and_grad import (
 )
 
 if TYPE_CHECKING:
-    from jaxaccum._diagnose import Diagnosis
+    from jaxaccum._diagnosis import Diagnosis
 
 __all__ = [
     "filter_assert_grads_match_full_batch",

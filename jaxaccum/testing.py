@@ -11,7 +11,8 @@ import chex
 from typing_extensions import Unpack
 
 from jaxaccum._compare import accumulated_and_reference, leaf_errors, metadata_paths
-from jaxaccum._diagnose import Cause, Diagnosis, LeafError, diagnose
+from jaxaccum._diagnose import diagnose
+from jaxaccum._diagnosis import Cause, Diagnosis, LeafError
 from jaxaccum._hlo import (
     COLLECTIVES,
     Collective,

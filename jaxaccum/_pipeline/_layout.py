@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxaccum import _metadata, _split
+from jaxaccum import _batch_nodes, _metadata, _split
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, make_calls
@@ -148,7 +148,7 @@ def _shapes(
     the activation, or a loss that is not a scalar, is refused."""
     leaves, _ = jax.tree.flatten(batch)
     micro = jax.tree.unflatten(
-        _split.resized_treedef(batch, rows),
+        _batch_nodes.resized_treedef(batch, rows),
         [jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]), x.dtype) for x in leaves],
     )
     embed, stage, head = like

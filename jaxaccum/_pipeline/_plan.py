@@ -23,12 +23,13 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from typing_extensions import Unpack
 
 from jaxaccum import _split
+from jaxaccum._checks import candidate_counts
+from jaxaccum._memory_budget import parse_memory_budget
 from jaxaccum._options import (
     NO_LOSS_SCALE,
     PIPELINE_REFUSED,
     AccumOptions,
     PipelineLayout,
-    candidate_counts,
 )
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import prepare, resolve_mesh, unpack_params
@@ -40,7 +41,7 @@ from jaxaccum._pipeline._plan_result import (
 )
 from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on, schedule_type
 from jaxaccum._pipeline._step import make_pipeline
-from jaxaccum._plan import parse_memory_budget, total_bytes
+from jaxaccum._plan import total_bytes
 from jaxaccum._types import (
     Batch,
     Fun,

@@ -9,6 +9,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 from typing_extensions import Unpack
 
+from jaxaccum._call_checks import check_differentiable
 from jaxaccum._loss_scale import loss_scale_report, pop_loss_scale
 from jaxaccum._options import (
     PIPELINE_REFUSED,
@@ -31,7 +32,6 @@ from jaxaccum._pipeline._run import Raw, Run
 from jaxaccum._pipeline._schedules import schedule_on, schedule_type
 from jaxaccum._pipeline._stats import probed, window_report
 from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
-from jaxaccum._value_and_grad import check_differentiable
 from jaxaccum._window import AuxPlan, normalized_value
 
 
@@ -123,95 +123,47 @@ def pipeline_value_and_grad(
     schedule: ScheduleName = "gpipe",
     **options: Unpack[PipelineKwargs],
 ) -> Fun:
-    """Pipeline parallelism where the accumulation window is the pipeline.
+    """Returns a pipelined ``step(params, batch, key=None) -> (loss, grads)``.
 
-    The batch's ``M`` strided micro-batches (``k``: examples ``k, k + M,
-    ...``) flow through ``S R`` stages on the mesh's stage axis (``S``
-    devices; stage ``r S + d`` on device ``d``) in one ``lax.scan`` of
-    ``M R + S - 1`` ticks, backward by autodiff through it. The result equals
-    ``jax.value_and_grad`` of the model run sequentially on the whole batch,
-    reduced as :func:`jaxaccum.value_and_grad` does; gradients accumulate in
-    ``accum_dtype`` and come back in the parameters' dtypes, shapes and
-    shardings. Bubbles compute on masked inputs whose results and gradients
-    are selected away (``jnp.where``). In the loop the only collectives are
-    ``collective-permute`` s to the next stage's device; gradients are
-    reduced once, after it.
-
-    With ``schedule="1f1b"`` (``repeats=1``) the same result comes from one
-    ``lax.scan`` of ``M + 2 (S - 1)`` ticks that is itself the backward:
-    each tick gives every device a forward slot (micro-batch ``t - d`` on
-    device ``d``) and a backward slot (micro-batch ``t - 2 (S - 1) + d``),
-    each stage's backward the ``jax.vjp`` of ``stage_fn`` rebuilt from a
-    ring of ``min(2 S - 1, M)`` saved stage inputs (with ``remat``) or
-    residuals, so the activation memory does not grow with ``M``;
-    activations go forward and cotangents back to the neighbouring devices
-    only. A bubble's slots are skipped (``lax.cond``) and their results
-    never reach the gradients. The schedules, the bubble, memory, FSDP and
-    keys: docs/guides/pipeline.md.
+    ``M`` micro-batches flow through ``S R`` stages; the result is the sequential
+    model's ``jax.value_and_grad``. Guide: [Pipeline](../guides/pipeline.md).
 
     Args:
       stage_fn: ``stage_fn(stage_params, x) -> x``, one stage, given its slice
         of ``stage_params``; keeps ``x``'s structure, shapes and dtypes.
-      loss_fn: ``loss_fn(head_params, x, micro_batch) -> loss``: the mean
-        loss of the micro-batch (see ``reduction``); ``(loss, aux)`` with
-        ``has_aux``.
-      num_microbatches: ``M``; ``M D`` must divide the batch. ``M < S`` is
-        allowed with ``repeats=1``; ``repeats > 1`` needs ``M >= S``.
-      mesh: a mesh with ``stage_axis`` (and ``data_axis``); by default the
-        one set with ``jax.set_mesh``.
-      embed_fn: ``embed_fn(embed_params, micro_batch) -> x``; None: ``x`` is
-        the micro-batch.
+      loss_fn: ``loss_fn(head_params, x, micro_batch) -> loss``, the mean loss
+        of the micro-batch (see ``reduction``); ``(loss, aux)`` with ``has_aux``.
+      num_microbatches: ``M``; ``M D`` divides the batch; ``M >= S`` if ``R > 1``.
+      mesh: a mesh with ``stage_axis`` (and ``data_axis``); default: ``jax.set_mesh``.
+      embed_fn: ``embed_fn(embed_params, micro_batch) -> x``; None: the batch.
       stage_axis: the mesh axis of size ``S`` the stages are placed on.
       data_axis: a mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular schedule).
-      schedule: ``"gpipe"`` (forward ticks, backward by autodiff; activation
-        memory linear in ``M``) or ``"1f1b"`` (one forward and one backward
-        per tick; activation memory flat in ``M``; ``repeats=1`` only,
-        interleaved 1F1B is not built).
-      **options: the keyword options below, :func:`jaxaccum.value_and_grad`'s
-        that a pipeline takes; its others are refused, each with why.
+      schedule: ``"gpipe"`` (activation memory linear in ``M``) or ``"1f1b"``
+        (flat in ``M``; ``repeats=1`` only).
+      **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:
-      microbatch_size: instead of ``num_microbatches``, rows per micro-batch
-        on each data shard: ``M`` is read off each call's batch.
+      microbatch_size: rows per micro-batch on each data shard, instead of ``M``.
       reduction: ``"mean"``, ``"sum"`` or ``"weighted"``, as for
         :func:`jaxaccum.value_and_grad`.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      aux_reduction: ``"mean"`` or ``"sum"`` of aux over micro-batches and
-        data shards.
+      aux_reduction: ``"mean"`` or ``"sum"`` over micro-batches and data shards.
       accum_dtype: dtype gradients accumulate in (at least); None: their own.
-      remat: ``True`` or a checkpoint policy: calls are rematerialised, the
-        loop saves only each tick's stage input.
-      report_stats: also return a :class:`jaxaccum.WindowStats`, as
-        :func:`jaxaccum.shard_value_and_grad` does.
-      report_finite: also return a :class:`jaxaccum.FiniteReport`: per
-        micro-batch, whether its loss and its gradient (every stage's piece)
-        are finite.
-      loss_scale: ``True``: the step takes ``loss_scale=`` (the window's
-        :class:`jaxaccum.DynamicLossScale`) and multiplies the loss sum by it
-        before the backward pass, as :func:`jaxaccum.value_and_grad` does;
-        the gradients are unscaled in float32 and the window is finite only if
-        every sum and gradient is, over every stage and data shard.
+      remat: ``True`` or a checkpoint policy: the loop saves only stage inputs.
+      report_stats: also return a :class:`jaxaccum.WindowStats`.
+      report_finite: also return a :class:`jaxaccum.FiniteReport`.
+      loss_scale: ``True``: the step takes ``loss_scale=`` (a
+        :class:`jaxaccum.DynamicLossScale`), as :func:`jaxaccum.value_and_grad`.
       unroll: passed to ``jax.lax.scan``.
-      param_gather: ``"auto"`` or ``"window"`` (the same): parameters sharded
-        over ``data_axis`` (FSDP, on an Explicit mesh) are gathered once per
-        window, before the loop; ``"microbatch"`` is refused.
-      grad_reduce: ``"auto"`` or ``"window"`` (the same): gradients are
-        reduced (FSDP leaves reduce-scattered) once, after the loop.
+      param_gather: ``"auto"`` or ``"window"``: FSDP parameters are gathered
+        once, before the loop; ``"microbatch"`` is refused.
+      grad_reduce: ``"auto"`` or ``"window"``: gradients reduced once, after.
 
     Returns:
-      ``step(params, batch, key=None)``, ``params = (embed_params,
-      stage_params, head_params)`` (each leaf of ``stage_params`` stacking the
-      ``S R`` stages on axis 0), returning ``(loss, grads)``, ``((loss, aux),
-      grads)`` with ``has_aux``, ``(that, stats)`` with ``report_stats``
-      (``report_finite``: a ``FiniteReport``), and
-      ``(that, report)`` with ``loss_scale``, ``report`` a
-      :class:`jaxaccum.LossScaleReport` (holding the stats, if any).
-      Given a PRNG ``key``, each function with a ``key`` parameter gets
-      ``key=``: micro-batch ``k``'s ``split(key, M)[k]`` (after folding in
-      the data shard's index), folded with ``l`` for stage ``l``, ``S R`` for
-      ``embed_fn``, ``S R + 1`` for ``loss_fn``: the same on whichever tick or
-      device it runs.
+      ``step``, its ``params = (embed_params, stage_params, head_params)`` (the
+      ``S R`` stages stacked on axis 0), returning ``(loss, grads)`` (``((loss,
+      aux), grads)`` with ``has_aux``; ``(that, report)`` with a report option).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -224,10 +176,9 @@ def pipeline_value_and_grad(
       >>> params = (jnp.eye(3), jnp.full((2, 3, 3), 0.5), jnp.ones(3))
       >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros(8)}
       >>> loss, grads = jax.jit(step)(params, batch)
-      >>> def sequential(params, batch):
-      ...     embed, stages, head = params
-      ...     x = stage_fn(stages[1], stage_fn(stages[0], batch["x"] @ embed))
-      ...     return loss_fn(head, x, batch)
+      >>> def sequential(params, batch):  # the two stages, one after the other
+      ...     x = stage_fn(params[1][1], stage_fn(params[1][0], batch["x"] @ params[0]))
+      ...     return loss_fn(params[2], x, batch)
       >>> expected = jax.value_and_grad(sequential)(params, batch)
       >>> jax.tree.map(lambda a, b: bool(jnp.allclose(a, b)), (loss, grads), expected)
       (True, (True, True, True))

@@ -29,7 +29,8 @@ from rich.table import Table
 
 import jaxaccum
 import jaxaccum.growth
-from jaxaccum._options import AccumOptions, check_scalar
+from jaxaccum._checks import check_scalar
+from jaxaccum._options import AccumOptions
 from jaxaccum._plan import format_bytes, measure, train_step
 from jaxaccum._types import Batch, PyTree
 from jaxaccum.cli import models

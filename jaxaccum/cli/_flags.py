@@ -2,7 +2,7 @@
 
 Every numeric flag is checked as it is parsed, before any work: its argparse
 ``type=`` reads the number and hands it to
-:func:`jaxaccum._options.check_scalar`, the check behind the library's numeric
+:func:`jaxaccum._checks.check_scalar`, the check behind the library's numeric
 arguments, so ``--steps 0`` is refused as ``steps=0`` would be, with the flag,
 the value and the allowed range in one line. What only flags together decide (a
 batch size a micro-batch count does not divide) each command checks in its
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jaxaccum
-from jaxaccum._options import check_scalar
+from jaxaccum._checks import check_scalar
 
 
 def _number(text: str) -> Any:

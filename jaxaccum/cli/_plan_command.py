@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import optax
 
 import jaxaccum
-from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS, check_scalar
+from jaxaccum._checks import check_scalar
+from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS
 from jaxaccum._types import Fun, PyTree
 from jaxaccum.cli import _pipeline_plan
 from jaxaccum.cli._console import console

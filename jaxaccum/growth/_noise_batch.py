@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum._options import check_scalar, static_scalar
+from jaxaccum._checks import check_scalar, static_scalar
 from jaxaccum.growth._base import (
     Controller,
     ExamplesSeen,

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxaccum._options import static_scalar
+from jaxaccum._checks import static_scalar
 from jaxaccum.growth._base import static_count
 
 
