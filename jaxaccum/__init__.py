@@ -23,6 +23,7 @@ from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from jaxaccum._loss_scale import select_if_finite as select_if_finite
 from jaxaccum._loss_scale import update_loss_scale as update_loss_scale
 from jaxaccum._memory_budget import parse_memory_budget as parse_memory_budget
+from jaxaccum._micro_result import FiniteReport as FiniteReport
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps_state import MultiStepsState as MultiStepsState
 from jaxaccum._noise_scale import NoiseEstimates as NoiseEstimates
@@ -44,7 +45,6 @@ from jaxaccum._split import pad_microbatches as pad_microbatches
 from jaxaccum._split import split_batch as split_batch
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
-from jaxaccum._window import FiniteReport as FiniteReport
 
 if TYPE_CHECKING:
     from jaxaccum import testing as testing

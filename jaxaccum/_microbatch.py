@@ -11,15 +11,15 @@ from jax import lax
 from jaxaccum import _split
 from jaxaccum._fsdp import shard_plan
 from jaxaccum._loss_scale import scale_loss
-from jaxaccum._options import AccumOptions
-from jaxaccum._types import Fun
-from jaxaccum._window import (
+from jaxaccum._micro_result import (
     MicroOut,
     MicroResult,
     aux_pair,
     microbatch_share,
     weighted_pair,
 )
+from jaxaccum._options import AccumOptions
+from jaxaccum._types import Fun
 
 
 class Inputs(NamedTuple):

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxaccum._accum_dtypes import accum_dtype_for
 from jaxaccum._loss_scale import WindowLossScale
 from jaxaccum._types import Grads, PyTree
-from jaxaccum._window import accum_dtype_for
 from jaxaccum._window_noise import WindowNoise
 
 

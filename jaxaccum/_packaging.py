@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum._loss_scale import loss_scale_report
+from jaxaccum._micro_result import FiniteReport
 from jaxaccum._noise_scale import window_stats
 from jaxaccum._options import AccumOptions
 from jaxaccum._types import PyTree
-from jaxaccum._window import FiniteReport, WindowOut
+from jaxaccum._window import WindowOut
 
 
 def invalid_unless(valid: jax.Array | None, tree: PyTree) -> Any:

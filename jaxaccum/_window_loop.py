@@ -8,11 +8,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import _split
+from jaxaccum._accum_dtypes import zeros_like_aval
 from jaxaccum._call_checks import check_state
+from jaxaccum._micro_result import MicroResult
 from jaxaccum._microbatch import Inputs, gathered, window_num_means
 from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree
-from jaxaccum._window import MicroResult, Window, WindowOut, zeros_like_aval
+from jaxaccum._window import Window, WindowOut
 
 
 def make_window(

@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxaccum._accum_dtypes import accum_dtype_for
 from jaxaccum._loss_scale import scale_loss
+from jaxaccum._micro_result import microbatch_share
 from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import Device, microbatch_key, select, varying
-from jaxaccum._window import accum_dtype_for, microbatch_share
 
 if TYPE_CHECKING:
     from jaxaccum._pipeline._1f1b import OneFOneB

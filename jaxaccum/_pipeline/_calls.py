@@ -11,16 +11,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxaccum._accum_dtypes import accum_dtype_for, sum_dtype
+from jaxaccum._aux_plan import AuxPlan
+from jaxaccum._micro_result import aux_pair, weighted_pair
 from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree, Remat
-from jaxaccum._window import (
-    AuxPlan,
-    accum_dtype_for,
-    aux_pair,
-    sum_dtype,
-    weighted_pair,
-)
 
 
 class LossOut(NamedTuple):

@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxaccum._micro_result import FiniteReport
 from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
 from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._device import Probes
 from jaxaccum._pipeline._layout import Prepared, place
 from jaxaccum._types import PyTree
-from jaxaccum._window import FiniteReport
 
 
 def pipeline_stats(

@@ -32,10 +32,12 @@ from jaxaccum.growth._learning_rate import (
 )
 from jaxaccum.growth._moments import NoiseMoments as NoiseMoments
 from jaxaccum.growth._moments import NoiseScaleEMA as NoiseScaleEMA
-from jaxaccum.growth._noise_batch import EXAMPLES_ONLY as EXAMPLES_ONLY
-from jaxaccum.growth._noise_batch import STEPS_ONLY as STEPS_ONLY
 from jaxaccum.growth._noise_batch import NoiseScaleBatch as NoiseScaleBatch
-from jaxaccum.growth._noise_batch import NoiseScaleBatchState as NoiseScaleBatchState
+from jaxaccum.growth._noise_batch_state import EXAMPLES_ONLY as EXAMPLES_ONLY
+from jaxaccum.growth._noise_batch_state import STEPS_ONLY as STEPS_ONLY
+from jaxaccum.growth._noise_batch_state import (
+    NoiseScaleBatchState as NoiseScaleBatchState,
+)
 from jaxaccum.growth._ramp import BatchRamp as BatchRamp
 from jaxaccum.growth._ramp import BatchRampState as BatchRampState
 from jaxaccum.growth._step_cost import StepCost as StepCost

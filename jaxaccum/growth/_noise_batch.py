@@ -1,13 +1,10 @@
 r"""The noise-scale controller: :class:`NoiseScaleBatch` sizes each window for
 the least predicted time from the measured $B_\text{noise}$ and the step's
-cost; its state :class:`NoiseScaleBatchState`, and the two limits of the cost,
-:data:`EXAMPLES_ONLY` and :data:`STEPS_ONLY`."""
+cost (its state and the cost's limits: ``_noise_batch_state``)."""
 
 import dataclasses
 import functools
-import math
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,55 +18,31 @@ from jaxaccum.growth._base import (
     as_float32,
     check_big_batch,
     check_reading,
-    keep_if,
     static_bool,
     static_count,
     static_positive,
-    window_is_valid,
 )
 from jaxaccum.growth._moments import (
-    NoiseMoments,
     NoiseScaleEMA,
-    fold_moments,
-    read_moments,
 )
+from jaxaccum.growth._noise_batch_checks import (
+    check_half_life,
+    check_size_range,
+    check_window_unit,
+    static_sizes,
+    static_step_cost,
+)
+from jaxaccum.growth._noise_batch_state import (
+    EXAMPLES_ONLY,
+    STEPS_ONLY,
+    NoiseScaleBatchState,
+)
+from jaxaccum.growth._noise_batch_update import noise_scale_update
 
-EXAMPLES_ONLY = 0.0
 """``step_cost`` of a step that costs nothing beyond its examples: the best
 window is the smallest that measures."""
-STEPS_ONLY = math.inf
 """``step_cost`` of a step that costs more than any window's examples: the best
 window is the largest."""
-# Fewer windows' spread is no measure of the error: a band from 2 or 3 of them
-# is as often too narrow as right.
-_MIN_EFFECTIVE_WINDOWS = 4.0
-# The averages' effective windows, weight**2 / weight_sq, tend to
-# (1 + k) / (1 - k) for windows of B with k = 2**(-B / half_life): the
-# controller's _MIN_EFFECTIVE_WINDOWS = 4 needs k >= 3/5, half_life >= 1.36 B.
-# Two largest windows give 5.83, reached after 5 windows.
-_MIN_HALF_LIFE_WINDOWS = 2.0
-# A window of B whose weight 1 - 2**(-B / half_life) float32 keeps above 0.
-_MAX_HALF_LIFE_WINDOWS = 2.0**24
-
-
-class NoiseScaleBatchState(NamedTuple):
-    """The state of :class:`NoiseScaleBatch`: a pytree, checkpointable as it is.
-
-    Attributes:
-      examples_seen: the :class:`ExamplesSeen` (``.total``, the windows'
-        ``big_batch`` summed).
-      num_microbatches: int32, the next window's number of micro-batches.
-      microbatches_seen: int32, the sum of the windows' sizes; with
-        ``examples_seen`` it gives a micro-batch's weight in the noise
-        scale's unit (``examples_seen.total / microbatches_seen``).
-      noise: the :class:`NoiseMoments` of the estimates (read them with
-        ``controller.noise_ema``).
-    """
-
-    examples_seen: ExamplesSeen
-    num_microbatches: jax.Array
-    microbatches_seen: jax.Array
-    noise: NoiseMoments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +127,7 @@ class NoiseScaleBatch(Controller):
                 f"max_microbatches ({self.max_microbatches}) must be >= "
                 f"min_microbatches ({self.min_microbatches})."
             )
-        set_field("step_cost", _static_step_cost(self.step_cost))
+        set_field("step_cost", static_step_cost(self.step_cost))
         for name, hint in (
             ("kappa", "The target is kappa * B_noise."),
             ("tokens_per_example", "The mean tokens (weight) of an example."),
@@ -170,9 +143,9 @@ class NoiseScaleBatch(Controller):
         )
         set_field("shrink", static_bool("shrink", self.shrink))
         if self.sizes is not None:
-            set_field("sizes", _static_sizes(self.sizes))
-        _check_size_range(self)
-        _check_half_life(self)
+            set_field("sizes", static_sizes(self.sizes))
+        check_size_range(self)
+        check_half_life(self)
 
     @property
     def possible_num_microbatches(self) -> tuple[int, ...]:
@@ -259,9 +232,9 @@ class NoiseScaleBatch(Controller):
             window's examples (it counts tokens: pass ``tokens_per_example``).
         """
         check_big_batch(stats.big_batch)
-        _check_window_unit(self, state, stats.big_batch)
+        check_window_unit(self, state, stats.big_batch)
         totals = (stats.big_batch, stats.gradient_norm_sq, stats.gradient_noise_trace)
-        return _noise_scale_update(self, state, *map(as_float32, totals))
+        return noise_scale_update(self, state, *map(as_float32, totals))
 
     def noise_scale(self, state: NoiseScaleBatchState) -> jax.Array:
         r"""The averaged $B_\text{noise}$ (``noise_ema.noise_scale``), in the
@@ -318,201 +291,3 @@ class NoiseScaleBatch(Controller):
         if self.step_cost == STEPS_ONLY:
             return steps
         return steps * (self.step_cost + batch)
-
-
-def _static_step_cost(value: Any) -> float:
-    """``step_cost`` as a Python float: ``>= 0``, or infinite (STEPS_ONLY)."""
-    try:
-        return static_scalar(
-            "step_cost",
-            value,
-            integer=False,
-            low=0.0,
-            hint="Pass a cost in the controller's unit (examples, or tokens with "
-            "tokens_per_example), or jaxaccum.growth.STEPS_ONLY for the largest "
-            "window.",
-        )
-    except ValueError:
-        if float(np.asarray(value)) == STEPS_ONLY:
-            return STEPS_ONLY
-        raise
-
-
-def _static_sizes(sizes: Any) -> tuple[int, ...]:
-    """``sizes`` as a tuple of Python ints: a non-empty sequence of counts."""
-    if isinstance(sizes, str | bytes) or not isinstance(sizes, Iterable):
-        raise TypeError(
-            "sizes must be a sequence of window sizes (micro-batches), e.g. "
-            f"(2, 4, 8), or None for every size; got {sizes!r}."
-        )
-    converted = tuple(
-        static_count(f"sizes[{index}]", size) for index, size in enumerate(sizes)
-    )
-    if not converted:
-        raise ValueError(
-            "sizes is empty: pass the allowed window sizes (micro-batches), e.g. "
-            "(2, 4, 8), or None for every size from min_microbatches to "
-            "max_microbatches."
-        )
-    return converted
-
-
-def _check_size_range(controller: NoiseScaleBatch) -> None:
-    """``sizes`` must start at ``min_microbatches`` and stay within
-    ``max_microbatches``; the message says which argument to change."""
-    sizes = controller.possible_num_microbatches
-    low, high = controller.min_microbatches, controller.max_microbatches
-    fixes = []
-    if sizes[0] != low:
-        fixes.append(
-            f"pass min_microbatches={sizes[0]}"
-            if sizes[0] >= 2
-            else "drop 1 (one micro-batch measures no noise scale)"
-        )
-    if sizes[-1] > high:
-        fixes.append(f"pass max_microbatches={sizes[-1]}, or drop sizes above {high}")
-    if fixes:
-        raise ValueError(
-            f"sizes must start at min_microbatches ({low}) and end at most at "
-            f"max_microbatches ({high}), got {controller.sizes}: "
-            f"{'; '.join(fixes)}."
-        )
-
-
-def _check_half_life(controller: NoiseScaleBatch) -> None:
-    """Refuses a half-life under which the averages could never hold 4
-    effective windows of the largest size (the window would never move), or
-    could never take in one of the smallest (its weight 0 in float32)."""
-    sizes, unit = controller.possible_num_microbatches, controller.unit
-    largest = sizes[-1] * controller.microbatch_weight
-    smallest = sizes[0] * controller.microbatch_weight
-    half_life = controller.effective_half_life
-    named = f"half_life={half_life:g}" + (
-        " (the default, 8 largest windows)" if controller.half_life is None else ""
-    )
-    units = (
-        ""
-        if controller.tokens_per_example
-        else "; if big_batch counts tokens, pass tokens_per_example"
-    )
-    if half_life < _MIN_HALF_LIFE_WINDOWS * largest:
-        keep = 2.0 ** (-largest / half_life)
-        raise ValueError(
-            f"{named} is too short for windows of up to {largest:g} {unit}: "
-            "after windows of B the averages hold at most (1 + k) / (1 - k) "
-            f"effective windows, k = 2**(-B / half_life), here "
-            f"{(1 + keep) / (1 - keep):.2f}, and the controller moves from "
-            f"{_MIN_EFFECTIVE_WINDOWS:g} on: it would never move. Pass "
-            f"half_life >= 2 largest windows = {2 * largest:g} {unit} (5.83 "
-            f"effective windows), or smaller windows{units}."
-        )
-    if half_life > _MAX_HALF_LIFE_WINDOWS * smallest:
-        raise ValueError(
-            f"{named} is too long for windows of {smallest:g} {unit}: their "
-            "weight in the averages, 1 - 2**(-B / half_life), is 0 in float32, "
-            "where the averages are kept, so they would never count. Pass "
-            f"half_life <= 2**24 smallest windows = "
-            f"{_MAX_HALF_LIFE_WINDOWS * smallest:g} {unit}{units}."
-        )
-
-
-def _check_window_unit(
-    controller: NoiseScaleBatch, state: NoiseScaleBatchState, big_batch: Any
-) -> None:
-    """Counting examples, a concrete window cannot hold more than its
-    micro-batches' examples: more is another unit (tokens)."""
-    num = state.num_microbatches
-    if controller.tokens_per_example is not None or any(
-        isinstance(value, jax.core.Tracer) for value in (big_batch, num)
-    ):
-        return
-    examples = int(num) * controller.microbatch_size
-    # A window's total is a float32 sum of its micro-batches' weights: allow
-    # its rounding (2**-24 a term) with room to spare.
-    if float(np.asarray(big_batch)) > examples * (1.0 + 2.0**-16):
-        raise ValueError(
-            f"stats.big_batch is {float(np.asarray(big_batch)):g}, more than the "
-            f"{examples} examples of the window's {int(num)} micro-batches of "
-            f"microbatch_size={controller.microbatch_size}: it counts another "
-            "unit (tokens, with reduction='weighted'). Pass tokens_per_example= "
-            "(the mean tokens per example) to NoiseScaleBatch, with step_cost "
-            "and half_life in tokens; or, if the window ran larger micro-batches, "
-            "the microbatch_size it ran."
-        )
-
-
-def _scaled_time(
-    controller: NoiseScaleBatch, batch: jax.Array, phi: jax.Array
-) -> jax.Array:
-    """The predicted time ``(1 + B_noise / B)(c + B)`` times ``phi =
-    1 / B_noise`` (a factor common to every size, so the best size is the
-    same), which stays finite for ``phi <= 0`` (an infinite noise scale)."""
-    phi = jnp.maximum(phi, 0.0)
-    steps = (phi * batch + 1.0) / batch
-    if controller.step_cost == STEPS_ONLY:
-        return steps
-    return steps * (controller.step_cost + batch)
-
-
-def _measured_microbatch_weight(state: NoiseScaleBatchState) -> jax.Array:
-    count = jnp.maximum(state.microbatches_seen, 1).astype(jnp.float32)
-    return state.examples_seen.total / count
-
-
-def _best_size(
-    controller: NoiseScaleBatch, phi: jax.Array, weight: jax.Array
-) -> jax.Array:
-    """The allowed size of least predicted time (nearest ``kappa B_noise`` in
-    log with ``kappa``)."""
-    sizes = jnp.asarray(controller.possible_num_microbatches, jnp.int32)
-    batches = sizes.astype(jnp.float32) * weight
-    if controller.kappa is not None:
-        tiny = jnp.finfo(jnp.float32).tiny
-        score = jnp.abs(jnp.log(batches * jnp.maximum(phi, tiny) / controller.kappa))
-    elif controller.step_cost == EXAMPLES_ONLY:
-        score = batches
-    else:
-        score = _scaled_time(controller, batches, phi)
-    return sizes[jnp.argmin(score)]
-
-
-def _next_size(controller: NoiseScaleBatch, state: NoiseScaleBatchState) -> jax.Array:
-    r"""The window after ``state``'s: moved only where the evidence puts the
-    target, $\phi \pm z\,\mathrm{se}$ apart, wholly on one side of it; to
-    the end of that band nearest the current window."""
-    reading = read_moments(state.noise)
-    band = controller.standard_errors * reading.standard_error
-    weight = _measured_microbatch_weight(state)
-    phi = reading.inverse_noise_scale
-    # A larger phi (a smaller noise scale) is a smaller target.
-    smallest = _best_size(controller, phi + band, weight)
-    largest = _best_size(controller, phi - band, weight)
-    window = state.num_microbatches
-    grow = smallest > window
-    shrink = controller.shrink & (2 * largest <= window)
-    moved = jnp.where(grow, smallest, jnp.where(shrink, largest, window))
-    return jnp.where(reading.effective_windows >= _MIN_EFFECTIVE_WINDOWS, moved, window)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _noise_scale_update(
-    controller: NoiseScaleBatch,
-    state: NoiseScaleBatchState,
-    big_batch: jax.Array,
-    gradient_norm_sq: jax.Array,
-    gradient_noise_trace: jax.Array,
-) -> NoiseScaleBatchState:
-    seen = state.examples_seen.add(big_batch)
-    window = state.num_microbatches
-    noise = fold_moments(
-        state.noise,
-        big_batch,
-        gradient_norm_sq,
-        gradient_noise_trace,
-        controller.effective_half_life,
-    )
-    counted = NoiseScaleBatchState(
-        seen, window, state.microbatches_seen + window, noise
-    )
-    counted = counted._replace(num_microbatches=_next_size(controller, counted))
-    return keep_if(window_is_valid(big_batch, seen), counted, state)
