@@ -92,3 +92,18 @@ def check_divides(
             f"divide {batch_flag} {batch_size}: micro-batches are whole and equal. "
             f"Pass {flag} values that divide {batch_size}, or another {batch_flag}."
         )
+
+
+def loss_flags_given(args: argparse.Namespace) -> list[str]:
+    """The flags describing the user's ``LOSS`` that were given (each is
+    None or False when not)."""
+    flags = (
+        ("--params", args.params),
+        ("--batch", args.batch),
+        ("--has-aux", args.has_aux),
+        ("--reduction", args.reduction),
+        ("--aux-reduction", args.aux_reduction),
+        ("--batch-argnums", args.batch_argnums),
+        ("--key-argnums", args.key_argnums),
+    )
+    return [flag for flag, value in flags if value not in (None, False)]

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jaxaccum
 from jaxaccum.cli import models
 from jaxaccum.cli._console import console
+from jaxaccum.cli._flags import loss_flags_given
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -27,23 +28,14 @@ def check_flags(args: argparse.Namespace) -> None:
     user's loss and the flags describing it, the optimizer's and the batch
     size (``--learning-rate`` and ``--batch-size`` are given when not their
     defaults)."""
-    given = [
-        flag
-        for flag, value in (
-            ("LOSS", args.loss),
-            ("--params", args.params),
-            ("--batch", args.batch),
-            ("--has-aux", args.has_aux),
-            ("--reduction", args.reduction),
-            ("--aux-reduction", args.aux_reduction),
-            ("--batch-argnums", args.batch_argnums),
-            ("--key-argnums", args.key_argnums),
-            ("--optimizer", args.optimizer),
-            ("--learning-rate", args.learning_rate != 1e-3),
-            ("--batch-size", args.batch_size != 8192),
-        )
-        if value not in (None, False)
-    ]
+    others = (
+        ("--optimizer", args.optimizer),
+        ("--learning-rate", args.learning_rate != 1e-3),
+        ("--batch-size", args.batch_size != 8192),
+    )
+    given = ["LOSS"] if args.loss is not None else []
+    given += loss_flags_given(args)
+    given += [flag for flag, value in others if value not in (None, False)]
     if given:
         raise ValueError(
             f"{', '.join(given)}: not with --stages, which plans the demo MLP "

@@ -39,7 +39,7 @@ from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS
 from jaxaccum._types import Fun
 from jaxaccum.cli import _pipeline_plan
 from jaxaccum.cli._console import console
-from jaxaccum.cli._flags import check_divides, count
+from jaxaccum.cli._flags import check_divides, count, loss_flags_given
 from jaxaccum.cli._user_loss import (
     argnums,
     loss_arguments,
@@ -102,19 +102,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def _check_demo_flags(args: argparse.Namespace) -> None:
-    given = [
-        flag
-        for flag, value in (
-            ("--params", args.params),
-            ("--batch", args.batch),
-            ("--has-aux", args.has_aux),
-            ("--reduction", args.reduction),
-            ("--aux-reduction", args.aux_reduction),
-            ("--batch-argnums", args.batch_argnums),
-            ("--key-argnums", args.key_argnums),
-        )
-        if value not in (None, False)
-    ]
+    given = loss_flags_given(args)
     if given:
         raise ValueError(
             f"{', '.join(given)}: for your own loss, named as LOSS (module:function);"
