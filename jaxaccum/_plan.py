@@ -167,21 +167,7 @@ def plan(
       True
       >>> step = jax.jit(jaxaccum.value_and_grad(loss, result.num_microbatches))
     """
-    for name in ("num_microbatches", "microbatch_size"):
-        if name in value_and_grad_kwargs:
-            raise TypeError(
-                f"plan chooses the number of micro-batches itself; do not pass "
-                f"{name}. Restrict the choice with candidates=[...] instead."
-            )
-    given: Mapping[str, Any] = value_and_grad_kwargs  # keys it does not take too
-    if given.get("masked"):
-        raise TypeError(
-            "plan does not take masked=True: it compiles one program per "
-            "candidate N, and a masked program holds the buffers of its largest "
-            "window whatever active_microbatches is. Plan without masked, and "
-            "build value_and_grad(fun, plan.num_microbatches, masked=True) "
-            "with the N it chooses as the window's maximum."
-        )
+    _refuse_window_size(value_and_grad_kwargs)
     budget = parse_memory_budget(memory_budget)
     # Validates argnums, batch_argnums and the rest once, before compiling.
     options = AccumOptions.create(
@@ -240,6 +226,25 @@ def plan(
         rows=tuple(rows[num] for num in sorted(rows)),
         includes_optimizer=optimizer is not None,
     )
+
+
+def _refuse_window_size(given: Mapping[str, Any]) -> None:
+    """Refuses the options that fix the window, which plan chooses (``given``
+    may hold keys its type does not list: a caller without a type checker)."""
+    for name in ("num_microbatches", "microbatch_size"):
+        if name in given:
+            raise TypeError(
+                f"plan chooses the number of micro-batches itself; do not pass "
+                f"{name}. Restrict the choice with candidates=[...] instead."
+            )
+    if given.get("masked"):
+        raise TypeError(
+            "plan does not take masked=True: it compiles one program per "
+            "candidate N, and a masked program holds the buffers of its largest "
+            "window whatever active_microbatches is. Plan without masked, and "
+            "build value_and_grad(fun, plan.num_microbatches, masked=True) "
+            "with the N it chooses as the window's maximum."
+        )
 
 
 def _check_candidates(candidates: Iterable[int] | None, batch_size: int) -> list[int]:

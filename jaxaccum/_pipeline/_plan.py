@@ -14,7 +14,7 @@ stage work is most useful (:func:`efficiency`).
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -129,26 +129,11 @@ def plan_pipeline(
         ``loss_scale`` is passed, ``candidates`` is not an iterable, or
         ``params`` is not a sequence of 3.
     """
-    for name in ("num_microbatches", "microbatch_size"):
-        if name in options:
-            raise TypeError(
-                f"plan_pipeline chooses the window's num_microbatches itself; "
-                f"do not pass {name}. Give the micro-batch as `microbatch` and "
-                "restrict M with candidates=[...]."
-            )
+    _refuse_window_size(options)
     budget = parse_memory_budget(memory_budget)
-    given_remat = "remat" in options
     layout = PipelineLayout(stage_axis, data_axis, repeats, schedule or "gpipe")
-    if schedule is not None:
-        schedule_type(schedule, repeats)  # refused before any compile
-    base = AccumOptions.create(
-        "plan_pipeline",
-        1,
-        options,
-        fixed={"pipeline": layout},
-        refused={**PIPELINE_REFUSED, "loss_scale": NO_LOSS_SCALE},
-    )
-    remats = (base.remat,) if given_remat else (False, True)
+    base = _base_options(options, layout, schedule)
+    remats = (base.remat,) if "remat" in options else (False, True)
     configs = _configs(remats, schedule, repeats)
     device_mesh = resolve_mesh(mesh, base)
     num_stages = device_mesh.shape[stage_axis]
@@ -169,10 +154,11 @@ def plan_pipeline(
             base, num_microbatches=num, remat=remat, pipeline=pipeline
         )
         row = _measure(functions, call, mesh, (params, microbatch, key))
+        ticks = SCHEDULES[kind](num_stages, num, repeats)
         return dataclasses.replace(
             row,
-            bubble=SCHEDULES[kind](num_stages, num, repeats).bubble_fraction,
-            efficiency=efficiency_of(num, config),
+            bubble=ticks.bubble_fraction,
+            efficiency=efficiency(ticks, remat, recompute),
             fits=row.total_bytes <= budget,
         )
 
@@ -192,6 +178,34 @@ def plan_pipeline(
         memory_budget=budget,
         footprint_bytes=chosen.total_bytes,
         rows=ordered,
+    )
+
+
+def _refuse_window_size(options: Mapping[str, Any]) -> None:
+    """The window's size is the planner's to choose."""
+    for name in ("num_microbatches", "microbatch_size"):
+        if name in options:
+            raise TypeError(
+                f"plan_pipeline chooses the window's num_microbatches itself; "
+                f"do not pass {name}. Give the micro-batch as `microbatch` and "
+                "restrict M with candidates=[...]."
+            )
+
+
+def _base_options(
+    options: Mapping[str, Any], layout: PipelineLayout, schedule: str | None
+) -> AccumOptions:
+    """The options every compiled configuration starts from, checked before
+    any compile: a given schedule must be built for ``layout.repeats``, and a
+    loss scale is refused (it changes neither memory nor the gradient)."""
+    if schedule is not None:
+        schedule_type(schedule, layout.repeats)
+    return AccumOptions.create(
+        "plan_pipeline",
+        1,
+        options,
+        fixed={"pipeline": layout},
+        refused={**PIPELINE_REFUSED, "loss_scale": NO_LOSS_SCALE},
     )
 
 
