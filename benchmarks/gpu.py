@@ -194,7 +194,7 @@ def drive(preset: str, deadline: float, out: pathlib.Path, hlo_dir) -> dict:
 
             result = run_job(job, _config(preset, job), preset, hlo_dir)
         else:
-            result = _in_process_of_its_own(job, hlo_dir, min(left, 150))
+            result = _in_own_process(job, hlo_dir, min(left, 150))
         flags = VARIANTS[job.variant][0]
         result = {"job": job.name, **dataclasses.asdict(job), "flags": flags, **result}
         result["process_seconds"] = time.monotonic() - began
@@ -205,7 +205,7 @@ def drive(preset: str, deadline: float, out: pathlib.Path, hlo_dir) -> dict:
     return _finish(results, out)
 
 
-def _in_process_of_its_own(job: Job, hlo_dir, timeout: float) -> dict:
+def _in_own_process(job: Job, hlo_dir, timeout: float) -> dict:
     flags = VARIANTS[job.variant][0]
     env = {
         **os.environ,

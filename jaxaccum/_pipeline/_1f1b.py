@@ -206,16 +206,14 @@ def run_window(
     options, schedule, shapes = static.options, static.schedule, static.shapes
     device = make_device(static, params, batch, key)
     shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
-    probed = options.report_stats or options.report_finite
-    shares_dtype = jnp.promote_types(shapes.loss.loss.dtype, jnp.float32)
     window = Window(
         device,
         loss_scale,
         schedule.num_microbatches * shards,
         skip,
-        probed,
+        probed_options(options),
         [],
-        shares_dtype,
+        share_dtype(shapes.loss.loss),
     )
     carry, per_tick = lax.scan(
         functools.partial(one_tick, window),
