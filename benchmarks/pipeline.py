@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
 import jaxaccum.testing  # noqa: E402
-from jaxaccum._options import AccumOptions, PipelineLayout  # noqa: E402
+from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow  # noqa: E402
 from jaxaccum._pipeline._step import make_pipeline  # noqa: E402
 
 NUM_DEVICES = 8
@@ -248,7 +248,7 @@ def timed_step(num: int, schedule: str, skip: bool = True):
     mesh = jax.make_mesh((num_stages, shards), ("stage", "data"))
     params, batch = model(num_stages, ROWS * num * shards)
     layout = PipelineLayout(data_axis="data", schedule=schedule)
-    options = AccumOptions(num, pipeline=layout)
+    options = PipelineWindow(num, layout=layout)
     step = make_pipeline((stage_fn, loss_fn, embed_fn), options, mesh, 0.0, skip)
     args = placed(mesh, params, batch)
     compiled = jax.jit(step).lower(*args).compile()

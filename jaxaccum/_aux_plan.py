@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum._accum_dtypes import accum_dtype_for, sum_dtype, zeros_like_aval
-from jaxaccum._options import AUX_REDUCTIONS
-from jaxaccum._types import PyTree
+from jaxaccum._types import AUX_REDUCTIONS, PyTree
 
 
 def strided_to_batch_order(stacked: jax.Array, batch_size: int) -> jax.Array:

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum._checks import check_scalar
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import PyTree
+from jaxaccum._window_spec import WindowSpec
 
 
-def pop_active_microbatches(kwargs: dict, options: AccumOptions) -> Any:
+def pop_active_microbatches(kwargs: dict, options: WindowSpec) -> Any:
     """With ``masked``, the call's ``active_microbatches``, popped from
     ``kwargs`` (``fun`` never sees it); without, a refusal if it is passed."""
     if not options.masked:
@@ -51,7 +51,7 @@ def check_active_microbatches(active: Any, num_microbatches: int) -> Any:
     return (active >= 1) & (active <= num_microbatches)
 
 
-def check_arg_count(args: tuple, options: AccumOptions) -> None:
+def check_arg_count(args: tuple, options: WindowSpec) -> None:
     needed = max(options.all_nums) + 1
     if len(args) < needed:
         used = ", ".join(

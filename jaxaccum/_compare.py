@@ -4,9 +4,9 @@ import jax
 import numpy as np
 
 from jaxaccum import _metadata
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree
 from jaxaccum._value_and_grad import make_accumulated
+from jaxaccum._window_spec import WindowSpec
 
 
 def leaf_errors(actual: PyTree, expected: PyTree) -> list[tuple[str, float, float]]:
@@ -54,7 +54,7 @@ def metadata_paths(tree: PyTree) -> frozenset[str]:
     )
 
 
-def value_and_grads(fun: Fun, args: tuple, options: AccumOptions) -> tuple:
+def value_and_grads(fun: Fun, args: tuple, options: WindowSpec) -> tuple:
     """Runs ``fun`` accumulated with ``options`` under jit; returns (value,
     grads) alone."""
     result = jax.jit(make_accumulated(fun, options))(*args)
@@ -68,7 +68,7 @@ def value_and_grads(fun: Fun, args: tuple, options: AccumOptions) -> tuple:
 
 
 def accumulated_and_reference(
-    fun: Fun, args: tuple, options: AccumOptions
+    fun: Fun, args: tuple, options: WindowSpec
 ) -> tuple[tuple, tuple]:
     """(value, grads) with ``options``' micro-batches and with one, under jit."""
     accumulated = value_and_grads(fun, args, options)

@@ -25,8 +25,8 @@ from jaxaccum._diagnose_probes import (
     microbatch_weights,
 )
 from jaxaccum._diagnosis import Diagnosis, LeafError
-from jaxaccum._options import COMPARE_REFUSED, AccumOptions
 from jaxaccum._types import CompareKwargs, Fun, PyTree
+from jaxaccum._window_spec import COMPARE_REFUSED, WindowSpec
 
 # Moving one example changes the others' input gradients by ~1e-7 (rounding)
 # in a per-example model, by ~1 / micro-batch size behind BatchNorm.
@@ -87,7 +87,7 @@ def diagnose(
         reduction='mean' averages the N micro-batch sums. Use reduction='sum', or
         return a mean (jnp.mean rather than jnp.sum).
     """
-    options = AccumOptions.create(
+    options = WindowSpec.create(
         "diagnose",
         num_microbatches,
         value_and_grad_kwargs,
@@ -169,7 +169,7 @@ def _reporter(
     return report
 
 
-def _num_microbatches(args: tuple, options: AccumOptions) -> int:
+def _num_microbatches(args: tuple, options: WindowSpec) -> int:
     batch_size = _split.batch_size_of(
         [(f"args[{i}]", args[i]) for i in options.batch_nums]
     )

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from jaxaccum._diagnosis import Cause, LeafError
-from jaxaccum._options import AccumOptions
+from jaxaccum._window_spec import WindowSpec
 
 # How close the gradient scale must be to N or 1 / N to be named as such.
 SCALE_MATCH = 1e-2
@@ -95,7 +95,7 @@ def weights_cause(weights: np.ndarray, reduction: str) -> Cause:
 
 
 def batch_dependent_cause(
-    interaction: float, num: int, args: tuple, options: AccumOptions
+    interaction: float, num: int, args: tuple, options: WindowSpec
 ) -> Cause:
     stats = [
         f"args[{num_arg}]{jax.tree_util.keystr(path)}"

@@ -11,9 +11,9 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from jaxaccum import _compare, _metadata, _split
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree
 from jaxaccum._value_and_grad import make_accumulated
+from jaxaccum._window_spec import WindowSpec
 
 # A cause is named when its model of the error leaves a residual under this
 # fraction of the error: float32 rounding leaves ~1e-6, a wrong model ~1.
@@ -39,7 +39,7 @@ def relative_change(new: PyTree, old: PyTree) -> float:
 
 
 def key_sensitivity(
-    fun: Fun, args: tuple, reference: tuple, options: AccumOptions
+    fun: Fun, args: tuple, reference: tuple, options: WindowSpec
 ) -> float:
     """Relative change of the full-batch gradient when every key is changed."""
     other_args = list(args)
@@ -57,7 +57,7 @@ def microbatch_weights(
     num: int,
     reference_grads: np.ndarray,
     error: float,
-    options: AccumOptions,
+    options: WindowSpec,
 ) -> np.ndarray | None:
     """Weights ``a`` with ``full-batch grad = sum_k a_k g_k``, relative to their
     mean, if the micro-batch gradients ``g_k`` determine them and they explain
@@ -109,7 +109,7 @@ def microbatch_weights(
     return weights / np.mean(weights)
 
 
-def example_interaction(fun: Fun, args: tuple, options: AccumOptions) -> float | None:
+def example_interaction(fun: Fun, args: tuple, options: WindowSpec) -> float | None:
     """How much moving the last example changes the other examples' gradients."""
     leaves, treedef = jax.tree.flatten(tuple(args[i] for i in options.batch_nums))
     floats = [

@@ -14,8 +14,8 @@ from jaxaccum._flax_linen import (
     linen_split,
 )
 from jaxaccum._flax_nnx import check_no_graph_nodes, nnx_loss
-from jaxaccum._options import COMPARE_REFUSED, AccumOptions
 from jaxaccum._types import Batch, FlaxCompareKwargs, Fun, Params, PyTree
+from jaxaccum._window_spec import COMPARE_REFUSED, WindowSpec
 
 if TYPE_CHECKING:
     from jaxaccum._diagnosis import Diagnosis
@@ -28,7 +28,7 @@ def check_kwargs(helper: str, value_and_grad_kwargs: Collection[str]) -> None:
     """The Flax checks differentiate the parameters, split the batch (the
     second argument) and carry the model's state: they set those roles, and
     compare unscaled, unsharded windows."""
-    AccumOptions.check_keywords(
+    WindowSpec.check_keywords(
         helper, value_and_grad_kwargs, fixed=ROLES, refused=COMPARE_REFUSED
     )
 

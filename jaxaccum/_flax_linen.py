@@ -9,9 +9,10 @@ from typing_extensions import Unpack
 
 from jaxaccum._checks import check_accepts_example_mask
 from jaxaccum._metadata import OVERWRITE_WITH_GRADIENT
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions
+from jaxaccum._shard_spec import SHARD_OPTIONS
 from jaxaccum._types import Batch, FlaxKwargs, Fun, Params, PyTree
 from jaxaccum._value_and_grad import make_accumulated
+from jaxaccum._window_spec import WindowSpec
 
 
 def collection_names(mutable: str | Sequence[str] | bool) -> tuple[str, ...]:
@@ -32,10 +33,10 @@ def linen_options(
     num_microbatches: int | None,
     options: Mapping[str, Any],
     collections: tuple[str, ...],
-) -> AccumOptions:
+) -> WindowSpec:
     """A Linen front end's options: ``fun(variables, batch, ...)`` split as
     params (differentiated), state (the mutable collections), batch, rngs."""
-    return AccumOptions.create(
+    return WindowSpec.create(
         where,
         num_microbatches,
         options,

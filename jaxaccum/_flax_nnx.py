@@ -7,9 +7,10 @@ from flax import nnx
 from typing_extensions import Unpack
 
 from jaxaccum._checks import check_accepts_example_mask
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions
+from jaxaccum._shard_spec import SHARD_OPTIONS
 from jaxaccum._types import Batch, FlaxKwargs, Fun, Params, PyTree
 from jaxaccum._value_and_grad import make_accumulated
+from jaxaccum._window_spec import WindowSpec
 
 NNX_KEYS = (
     "an NNX model draws its randomness from its own nnx.Rngs, carried through "
@@ -73,7 +74,7 @@ def nnx_value_and_grad(
       >>> model.layers[1].mean[...].shape
       (4,)
     """
-    options = AccumOptions.create(
+    options = WindowSpec.create(
         "nnx_value_and_grad",
         num_microbatches,
         {**value_and_grad_kwargs, "has_aux": has_aux},

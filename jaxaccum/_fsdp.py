@@ -23,9 +23,9 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxaccum._noise_scale import squared_norm
-from jaxaccum._options import AccumOptions
 from jaxaccum._split import spec_names
 from jaxaccum._types import Fun, Grads, PyTree
+from jaxaccum._window_spec import WindowSpec
 
 
 class ShardPlan(NamedTuple):
@@ -191,7 +191,7 @@ class ShardPlan(NamedTuple):
 
 
 def shard_plan(
-    options: AccumOptions, step: Any = None, metadata: tuple[bool, ...] | None = None
+    options: WindowSpec, step: Any = None, metadata: tuple[bool, ...] | None = None
 ) -> ShardPlan | None:
     """The plan of ``options`` (None unless the window runs per device).
 
@@ -209,7 +209,8 @@ def shard_plan(
         return None
     data_axes = options.data_axes
     dims, model_specs = [], []
-    for spec in options.param_specs:
+    sharding = options.sharding
+    for spec in sharding.param_specs:
         names = [spec_names(entry) for entry in spec]
         sharded = [
             dim for dim, entry in enumerate(names) if set(entry) & set(data_axes)
@@ -238,7 +239,7 @@ def shard_plan(
                 "axes (PartitionSpec() for the _overwrite_with_gradient "
                 "collection)."
             )
-    gather_window = options.param_gather == "window"
+    gather_window = sharding.param_gather == "window"
     return ShardPlan(
         data_axes=data_axes,
         dims=tuple(dims),
@@ -246,11 +247,11 @@ def shard_plan(
         gather_in_window=tuple(gather_window for _ in dims),
         reduce_in_window=tuple(
             meta
-            or options.grad_reduce == "window"
-            or (options.grad_reduce == "auto" and dim is None)
+            or sharding.grad_reduce == "window"
+            or (sharding.grad_reduce == "auto" and dim is None)
             for dim, meta in zip(dims, metadata, strict=True)
         ),
-        gather_dtype=options.gather_dtype,
+        gather_dtype=sharding.gather_dtype,
         accum_dtype=options.accum_dtype,
         step=jnp.zeros((), jnp.int32) if step is None else step,
         metadata=tuple(metadata),

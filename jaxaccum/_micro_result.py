@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import Grads, PyTree
+from jaxaccum._window_spec import WindowSpec
 
 
 class MicroOut(NamedTuple):
@@ -77,7 +77,7 @@ def aux_pair(out: PyTree, fun: str) -> tuple[Any, Any]:
 
 
 def microbatch_share(
-    options: AccumOptions, num_means: Any, weight: PyTree, dtype: Any = jnp.float32
+    options: WindowSpec, num_means: Any, weight: PyTree, dtype: Any = jnp.float32
 ) -> PyTree:
     """What one micro-batch's loss is multiplied by before its backward pass,
     so that every cotangent in it is the big batch's for the same examples

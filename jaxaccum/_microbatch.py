@@ -18,8 +18,8 @@ from jaxaccum._micro_result import (
     microbatch_share,
     weighted_pair,
 )
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun
+from jaxaccum._window_spec import WindowSpec
 
 
 class Inputs(NamedTuple):
@@ -36,7 +36,7 @@ class Inputs(NamedTuple):
 
 
 def window_inputs(
-    args: tuple, options: AccumOptions, split: _split.Split, active: Any = None
+    args: tuple, options: WindowSpec, split: _split.Split, active: Any = None
 ) -> Inputs:
     """The window's arguments by role; the batch padded, keys per device."""
     diff = tuple(args[i] for i in options.diff_nums)
@@ -59,7 +59,7 @@ def micro_value_and_grad(
     fun: Fun,
     args: tuple,
     kwargs: dict,
-    options: AccumOptions,
+    options: WindowSpec,
     loss_scale: jax.Array | None = None,
 ) -> Callable[..., MicroResult]:
     """The value and gradient of one micro-batch, as a :class:`MicroResult`.
@@ -130,14 +130,14 @@ def fold_device_index(key_vals: tuple, data_axes: tuple[str, ...]) -> tuple:
     return jax.tree.map(lambda key: jax.random.fold_in(key, device_index), key_vals)
 
 
-def gathered(diff: tuple, options: AccumOptions, index: Any = None) -> tuple:
+def gathered(diff: tuple, options: WindowSpec, index: Any = None) -> tuple:
     """The parameters micro-batch ``index`` sees: those sharded over the data
     axes and gathered per micro-batch are gathered here, inside the loop."""
     shards = shard_plan(options, index)
     return diff if shards is None else shards.gather(diff, in_window=False)
 
 
-def window_num_means(options: AccumOptions, num_microbatches: Any) -> Any:
+def window_num_means(options: WindowSpec, num_microbatches: Any) -> Any:
     """The window's micro-batches over every device (a mean divides by it)."""
     if options.data_axes:
         return num_microbatches * lax.axis_size(options.data_axes)

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jaxaccum._loss_scale import loss_scale_report
 from jaxaccum._micro_result import FiniteReport
 from jaxaccum._noise_scale import window_stats
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import PyTree
 from jaxaccum._window import WindowOut
+from jaxaccum._window_spec import WindowSpec
 
 
 def invalid_unless(valid: jax.Array | None, tree: PyTree) -> Any:
@@ -41,7 +41,7 @@ def invalid_unless(valid: jax.Array | None, tree: PyTree) -> Any:
 
 
 def package(
-    out: WindowOut, options: AccumOptions, valid: Any = None, scale: Any = None
+    out: WindowOut, options: WindowSpec, valid: Any = None, scale: Any = None
 ) -> PyTree:
     """The window's result in the layout ``value_and_grad`` documents;
     ``valid`` (traced, for ``masked``) false makes the value, aux, gradients

@@ -39,9 +39,10 @@ from typing_extensions import Unpack
 from jaxaccum import _split
 from jaxaccum._checks import argnums_tuple, candidate_counts
 from jaxaccum._memory_budget import parse_memory_budget
-from jaxaccum._options import NO_LOSS_SCALE, SHARD_OPTIONS, AccumOptions
+from jaxaccum._shard_spec import SHARD_OPTIONS
 from jaxaccum._types import Fun, PlanKwargs, PyTree
 from jaxaccum._value_and_grad import make_accumulated
+from jaxaccum._window_spec import NO_LOSS_SCALE, WindowSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,7 @@ def plan(
     _refuse_window_size(value_and_grad_kwargs)
     budget = parse_memory_budget(memory_budget)
     # Validates argnums, batch_argnums and the rest once, before compiling.
-    options = AccumOptions.create(
+    options = WindowSpec.create(
         "plan",
         1,
         value_and_grad_kwargs,
@@ -279,7 +280,7 @@ def measure(
     batch_size: int,
     budget: int,
     optimizer: optax.GradientTransformation | None,
-    options: AccumOptions,
+    options: WindowSpec,
 ) -> MemoryPlanRow:
     """Compiles the step with ``num_microbatches`` and reads its memory; the
     one measurement behind every figure of a plan."""

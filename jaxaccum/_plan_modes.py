@@ -9,10 +9,10 @@ from typing_extensions import Unpack
 
 from jaxaccum._hlo import window_bytes
 from jaxaccum._memory_budget import parse_memory_budget
-from jaxaccum._options import NO_LOSS_SCALE, AccumOptions
 from jaxaccum._plan import format_bytes, total_bytes
 from jaxaccum._shard import DataAxis, shard_value_and_grad
 from jaxaccum._types import Fun, ModePlanKwargs, PyTree, ShardMode
+from jaxaccum._window_spec import NO_LOSS_SCALE, WindowSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ def plan_modes(
       ValueError: if no combination fits (with the table).
     """
     chosen = "plan_modes compiles every param_gather x grad_reduce combination itself."
-    AccumOptions.check_keywords(
+    WindowSpec.check_keywords(
         "plan_modes",
         shard_kwargs,
         refused={

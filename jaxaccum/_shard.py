@@ -26,10 +26,10 @@ from typing_extensions import Unpack
 from jaxaccum import _batch_nodes, _split
 from jaxaccum._call_checks import check_arg_count
 from jaxaccum._fsdp import shard_plan
-from jaxaccum._options import AccumOptions
 from jaxaccum._shard_map import Frozen, auto_model_axes, shard_mapped
 from jaxaccum._types import Fun, PyTree, ShardKwargs
 from jaxaccum._value_and_grad import make_accumulated
+from jaxaccum._window_spec import WindowSpec
 
 DataAxis = str | Sequence[str]
 
@@ -192,7 +192,7 @@ def shard_value_and_grad(
     # Built once here so that bad options fail at construction, as they do for
     # value_and_grad; the per-device micro-batch size and the parameters'
     # shardings are known only per call.
-    options = AccumOptions.create(
+    options = WindowSpec.create(
         "shard_value_and_grad",
         num_microbatches,
         keywords,
@@ -213,9 +213,8 @@ def shard_value_and_grad(
         batch_size = _split.batch_size_of(
             [(f"args[{i}]", args[i]) for i in options.batch_nums]
         )
-        call_options = dataclasses.replace(
-            _per_device_options(options, batch_size, device_mesh),
-            param_specs=_param_specs_of(diff_args, options.data_axes),
+        call_options = _per_device_options(options, batch_size, device_mesh).resharded(
+            param_specs=_param_specs_of(diff_args, options.data_axes)
         )
         per_device = make_accumulated(fun, call_options)
         frozen = Frozen.of(args, kwargs, mapped_nums)
@@ -271,9 +270,7 @@ def _param_specs_of(diff_args: tuple, data_axes: tuple[str, ...]) -> tuple:
     return tuple(specs)
 
 
-def _per_device_options(
-    options: AccumOptions, batch_size: int, mesh: Any
-) -> AccumOptions:
+def _per_device_options(options: WindowSpec, batch_size: int, mesh: Any) -> WindowSpec:
     """The options of one device's window: its share of the micro-batch size."""
     num_devices = math.prod(mesh.shape[axis] for axis in options.data_axes)
     local_microbatch_size = _local_split(batch_size, num_devices, options)
@@ -282,9 +279,7 @@ def _per_device_options(
     return dataclasses.replace(options, microbatch_size=local_microbatch_size)
 
 
-def _local_split(
-    batch_size: int, num_devices: int, options: AccumOptions
-) -> int | None:
+def _local_split(batch_size: int, num_devices: int, options: WindowSpec) -> int | None:
     """Checks the per-device split; returns the per-device micro-batch size
     (None when the split is given as ``num_microbatches``)."""
     num_microbatches, microbatch_size = (
@@ -317,7 +312,7 @@ def _local_split(
                 "reduction='weighted' or 'sum')."
             )
         return microbatch_size // num_devices
-    assert num_microbatches is not None  # AccumOptions sets exactly one
+    assert num_microbatches is not None  # WindowSpec sets exactly one
     if local_size % num_microbatches and not pad:
         raise ValueError(
             f"Batch size {batch_size} over {where} is {local_size} rows per "

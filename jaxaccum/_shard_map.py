@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccum import _split
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree
+from jaxaccum._window_spec import WindowSpec
 
 
 class Frozen(NamedTuple):
@@ -53,7 +53,7 @@ class Frozen(NamedTuple):
 def shard_mapped(
     on_device: Fun,
     mapped_nums: tuple[int, ...],
-    options: AccumOptions,
+    options: WindowSpec,
     mesh: Any,
     param_specs: tuple,
 ) -> Fun:
@@ -90,7 +90,7 @@ def shard_mapped(
     return step
 
 
-def out_specs(options: AccumOptions, grad_specs: tuple) -> PyTree:
+def out_specs(options: WindowSpec, grad_specs: tuple) -> PyTree:
     """Specs of the accumulated function's outputs: ``grad_specs`` (one tree
     per differentiated argument) for the gradients, replicated otherwise."""
     grads = grad_specs[0] if isinstance(options.argnums, int) else grad_specs
@@ -99,9 +99,7 @@ def out_specs(options: AccumOptions, grad_specs: tuple) -> PyTree:
     return (out_specs, PartitionSpec()) if options.reports else out_specs
 
 
-def auto_model_axes(
-    step: Fun, diff_args: tuple, options: AccumOptions, mesh: Any
-) -> Fun:
+def auto_model_axes(step: Fun, diff_args: tuple, options: WindowSpec, mesh: Any) -> Fun:
     """Runs ``step`` with the Explicit mesh axes other than the data axes made
     Auto (``jax.sharding.auto_axes``); the gradients leave sharded as the
     parameters are.

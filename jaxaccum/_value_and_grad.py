@@ -18,10 +18,11 @@ from jaxaccum._call_checks import (
 from jaxaccum._checks import check_accepts_example_mask
 from jaxaccum._loss_scale import pop_loss_scale, select_if_finite
 from jaxaccum._microbatch import micro_value_and_grad, window_inputs
-from jaxaccum._options import SHARD_OPTIONS, AccumOptions
 from jaxaccum._packaging import package
+from jaxaccum._shard_spec import SHARD_OPTIONS
 from jaxaccum._types import AccumKwargs, Fun, PyTree
 from jaxaccum._window_loop import run_scan, run_single
+from jaxaccum._window_spec import WindowSpec
 
 
 def value_and_grad(
@@ -91,7 +92,7 @@ def value_and_grad(
     """
     return make_accumulated(
         fun,
-        AccumOptions.create(
+        WindowSpec.create(
             "value_and_grad", num_microbatches, options, refused=SHARD_OPTIONS
         ),
     )
@@ -128,13 +129,13 @@ def grad(
       >>> jaxaccum.grad(loss, num_microbatches=2)(jnp.ones(2), jnp.ones((4, 2)))
       Array([1., 1.], dtype=float32)
     """
-    accum_options = AccumOptions.create(
+    accum_options = WindowSpec.create(
         "grad", num_microbatches, options, refused=SHARD_OPTIONS
     )
     return grads_only(make_accumulated(fun, accum_options), accum_options)
 
 
-def grads_only(value_and_grad_fun: Fun, options: AccumOptions) -> Fun:
+def grads_only(value_and_grad_fun: Fun, options: WindowSpec) -> Fun:
     """``value_and_grad_fun`` returning what ``jax.grad`` would: the gradients
     (``(grads, aux)`` with ``has_aux``), then the new state and the report."""
 
@@ -154,7 +155,7 @@ def grads_only(value_and_grad_fun: Fun, options: AccumOptions) -> Fun:
     return grad_fun
 
 
-def make_accumulated(fun: Fun, options: AccumOptions) -> Fun:
+def make_accumulated(fun: Fun, options: WindowSpec) -> Fun:
     """``fun`` accumulated as ``options`` say: the core of every front end.
 
     With ``options.data_axes`` (manual mesh axes the batch is split over, inside
@@ -205,7 +206,7 @@ def make_accumulated(fun: Fun, options: AccumOptions) -> Fun:
     return accumulated
 
 
-def add_call_parameters(accumulated: Fun, fun: Fun, options: AccumOptions) -> None:
+def add_call_parameters(accumulated: Fun, fun: Fun, options: WindowSpec) -> None:
     """Gives ``accumulated`` ``fun``'s signature plus the keyword-only
     arguments ``options`` make it take per call (``active_microbatches``
     with ``masked``, ``loss_scale`` with ``loss_scale``), so that wrappers

@@ -19,13 +19,13 @@ from jaxaccum._fsdp import shard_plan
 from jaxaccum._loss_scale import tree_finite, unscale
 from jaxaccum._micro_result import MicroResult, all_finite
 from jaxaccum._noise_scale import MicroStats, squared_norm, unscaled_squared_norm
-from jaxaccum._options import PER_MICROBATCH_AUX, AccumOptions
 from jaxaccum._reduce import divide_by_total_weight
 from jaxaccum._split import Split
 from jaxaccum._types import Fun, Grads, PyTree
+from jaxaccum._window_spec import PER_MICROBATCH_AUX, WindowSpec
 
 
-def normalized_value(options: AccumOptions, value: Any, weight: PyTree, num_means: Any):
+def normalized_value(options: WindowSpec, value: Any, weight: PyTree, num_means: Any):
     """The window's value from its loss sum: over ``num_means`` micro-batches
     (mean), as it is (sum), or over the total weight (weighted; 0 at 0)."""
     if options.reduction == "weighted":
@@ -54,7 +54,7 @@ class Window:
     def __init__(
         self,
         result_shape: MicroResult,
-        options: AccumOptions,
+        options: WindowSpec,
         split: Split,
         loss_scale: jax.Array | None = None,
     ):

@@ -12,15 +12,15 @@ from jaxaccum._accum_dtypes import zeros_like_aval
 from jaxaccum._call_checks import check_state
 from jaxaccum._micro_result import MicroResult
 from jaxaccum._microbatch import Inputs, gathered, window_num_means
-from jaxaccum._options import AccumOptions
 from jaxaccum._types import Fun, PyTree
 from jaxaccum._window import Window, WindowOut
+from jaxaccum._window_spec import WindowSpec
 
 
 def make_window(
     result_shape: MicroResult,
     inputs: Inputs,
-    options: AccumOptions,
+    options: WindowSpec,
     split: _split.Split,
 ) -> Window:
     """The window of both paths, once the state ``fun`` returns is checked."""
@@ -31,7 +31,7 @@ def make_window(
 def run_single(
     micro: Callable[..., MicroResult],
     inputs: Inputs,
-    options: AccumOptions,
+    options: WindowSpec,
     split: _split.Split,
 ) -> WindowOut:
     """One micro-batch, no scan, the key passed unchanged: jax.value_and_grad."""
@@ -56,7 +56,7 @@ def run_single(
 def run_scan(
     micro: Callable[..., MicroResult],
     inputs: Inputs,
-    options: AccumOptions,
+    options: WindowSpec,
     split: _split.Split,
 ) -> WindowOut:
     """The micro-batches in one scan over a strided view of the batch."""

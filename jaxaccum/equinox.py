@@ -38,13 +38,14 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
     ) from error
 
 from jaxaccum._checks import check_accepts_example_mask
-from jaxaccum._options import COMPARE_REFUSED, SHARD_OPTIONS, AccumOptions
+from jaxaccum._shard_spec import SHARD_OPTIONS
 from jaxaccum._types import FilterCompareKwargs, FilterKwargs, Fun, Params, PyTree
 from jaxaccum._value_and_grad import (
     add_call_parameters,
     grads_only,
     make_accumulated,
 )
+from jaxaccum._window_spec import COMPARE_REFUSED, WindowSpec
 
 if TYPE_CHECKING:
     from jaxaccum._diagnosis import Diagnosis
@@ -144,9 +145,9 @@ def filter_value_and_grad(
 
 def _options(
     where: str, num_microbatches: int | None, options: FilterKwargs
-) -> AccumOptions:
+) -> WindowSpec:
     """The options of an Equinox front end: it differentiates the model."""
-    return AccumOptions.create(
+    return WindowSpec.create(
         where, num_microbatches, options, fixed={"argnums": 0}, refused=SHARD_OPTIONS
     )
 
@@ -222,7 +223,7 @@ def filter_assert_grads_match_full_batch(
     """
     from jaxaccum.testing import assert_grads_match_full_batch
 
-    AccumOptions.check_keywords(
+    WindowSpec.check_keywords(
         "filter_assert_grads_match_full_batch",
         value_and_grad_kwargs,
         fixed=("argnums",),
@@ -280,7 +281,7 @@ def filter_diagnose(
     """
     from jaxaccum.testing import diagnose
 
-    AccumOptions.check_keywords(
+    WindowSpec.check_keywords(
         "filter_diagnose",
         value_and_grad_kwargs,
         fixed=("argnums",),

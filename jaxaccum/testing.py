@@ -21,8 +21,8 @@ from jaxaccum._hlo import (
     find_collectives,
     window_bytes,
 )
-from jaxaccum._options import COMPARE_REFUSED, AccumOptions
 from jaxaccum._types import CompareKwargs, Fun, PyTree
+from jaxaccum._window_spec import COMPARE_REFUSED, WindowSpec
 
 __all__ = [
     "COLLECTIVES",
@@ -85,7 +85,7 @@ def assert_grads_match_full_batch(
       >>> jaxaccum.testing.assert_grads_match_full_batch(
       ...     loss, jnp.ones(3), jnp.ones((8, 3)), num_microbatches=4)
     """
-    options = AccumOptions.create(
+    options = WindowSpec.create(
         "assert_grads_match_full_batch",
         num_microbatches,
         value_and_grad_kwargs,

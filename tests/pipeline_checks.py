@@ -42,7 +42,7 @@ from tolerances import UNIT_ROUNDOFF
 
 import jaxaccum
 from jaxaccum._hlo import collective_bytes, find_collectives, window_bytes
-from jaxaccum._options import AccumOptions, PipelineLayout
+from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._step import make_pipeline
 
 INPUTS, FEATURES, OUTPUTS = 4, 16, 2
@@ -381,7 +381,7 @@ def check_nan(fill, stage, name="stage4_data2_M8_R2", schedule="gpipe", skip=Tru
     layout = PipelineLayout(
         data_axis=case.data_axis, repeats=case.repeats, schedule=schedule
     )
-    options = AccumOptions(case.num_microbatches, pipeline=layout)
+    options = PipelineWindow(case.num_microbatches, layout=layout)
     functions = (stage, loss_fn, embed_fn)
     step = make_pipeline(functions, options, case.mesh, fill, skip)
     out = jax.jit(step)(*case.placed)

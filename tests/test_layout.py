@@ -1,6 +1,7 @@
 """The library a training stack imports: its surface, its imports, its options."""
 
 import ast
+import dataclasses
 import doctest
 import importlib
 import inspect
@@ -17,7 +18,8 @@ import pytest
 import typing_extensions
 
 import jaxaccum
-from jaxaccum import _options
+from jaxaccum import _shard_spec, _types, _window_spec
+from jaxaccum._pipeline import _spec
 
 PACKAGE = pathlib.Path(jaxaccum.__file__).parent
 
@@ -279,22 +281,26 @@ def test_grad_has_value_and_grads_explicit_keywords():
 
 
 def test_options_are_one_frozen_object_whose_allowed_values_are_derived():
-    fields = {
-        field.name for field in _options.dataclasses.fields(_options.AccumOptions)
-    }
+    """The core window, its sharding and a pipeline's layout are three
+    objects: each front end's keywords are the fields of the ones it builds."""
+    fields = {field.name for field in dataclasses.fields(_window_spec.WindowSpec)}
     keywords = set(_keywords(jaxaccum.value_and_grad)) | {"num_microbatches"}
-    sharded = {"param_gather", "grad_reduce", "gather_dtype"}
-    per_call = {"data_axes", "param_specs"}  # set by shard_value_and_grad
-    pipeline = {"pipeline"}  # set by pipeline_value_and_grad
-    assert keywords <= fields and fields - keywords == sharded | per_call | pipeline
+    assert keywords <= fields and fields - keywords == {"sharding"}
+    sharding = {field.name for field in dataclasses.fields(_shard_spec.Sharding)}
+    sharded = set(_shard_spec.SHARD_KEYWORDS)
+    assert sharding - sharded == {"data_axes", "param_specs"}  # set per call
     assert sharded <= set(_keywords(jaxaccum.shard_value_and_grad))
-    assert _options.REDUCTIONS == ("mean", "sum", "weighted")
-    assert "concat" in _options.AUX_REDUCTIONS
-    options = _options.AccumOptions(4)
-    with pytest.raises(_options.dataclasses.FrozenInstanceError):
+    pipeline = {field.name for field in dataclasses.fields(_spec.PipelineWindow)}
+    assert pipeline - fields == {"layout"}  # set by pipeline_value_and_grad
+    assert _types.REDUCTIONS == ("mean", "sum", "weighted")
+    assert "concat" in _types.AUX_REDUCTIONS
+    options = _window_spec.WindowSpec(4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
         options.num_microbatches = 2  # type: ignore[misc]
     with pytest.raises(ValueError, match="reduction must be one of"):
-        _options.AccumOptions(4, reduction="median")  # type: ignore[arg-type]
+        _window_spec.WindowSpec(4, reduction="median")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="grad_reduce must be one of"):
+        _window_spec.WindowSpec.create("f", 4, {"grad_reduce": "never"})
 
 
 def _loss(w, x):
@@ -378,7 +384,7 @@ def _front_end_calls(keywords: dict) -> dict:
 
 
 def test_every_front_end_refuses_an_unknown_option_by_name():
-    """Options enter one way (AccumOptions.create): a misspelled one raises in
+    """Options enter one way (WindowSpec.create): a misspelled one raises in
     every front end, naming it and the front end, before any work."""
     for name, call in _front_end_calls({"rduction": "sum"}).items():
         wanted = f"{name} got an unknown keyword argument 'rduction'"
@@ -390,10 +396,10 @@ def test_every_front_end_refuses_an_unknown_option_by_name():
 
 
 # What the checks and plans that compare windows leave out (COMPARE_REFUSED).
-_COMPARED_OUT = (*_options.SHARD_OPTIONS, "loss_scale")
+_COMPARED_OUT = (*_shard_spec.SHARD_OPTIONS, "loss_scale")
 # plan_modes sets the modes itself, and plans unscaled.
 _MODES_SET = ("param_gather", "grad_reduce", "loss_scale")
-_PIPELINE_PLANNED = (*_options.PIPELINE_REFUSED, "loss_scale")
+_PIPELINE_PLANNED = (*_spec.PIPELINE_REFUSED, "loss_scale")
 # The Flax front ends set the argument roles themselves.
 _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
 
@@ -401,12 +407,12 @@ _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
 @pytest.mark.parametrize(
     ("front_end", "exclude"),
     [
-        ("value_and_grad", _options.SHARD_OPTIONS),
-        ("grad", _options.SHARD_OPTIONS),
+        ("value_and_grad", _shard_spec.SHARD_OPTIONS),
+        ("grad", _shard_spec.SHARD_OPTIONS),
         ("shard_value_and_grad", ("state_argnums", "report_finite", "masked")),
-        ("equinox.filter_value_and_grad", (*_options.SHARD_OPTIONS, "argnums")),
-        ("equinox.filter_grad", (*_options.SHARD_OPTIONS, "argnums")),
-        ("pipeline_value_and_grad", _options.PIPELINE_REFUSED),
+        ("equinox.filter_value_and_grad", (*_shard_spec.SHARD_OPTIONS, "argnums")),
+        ("equinox.filter_grad", (*_shard_spec.SHARD_OPTIONS, "argnums")),
+        ("pipeline_value_and_grad", _spec.PIPELINE_REFUSED),
         # The front ends that forward their options: what they refuse (or set
         # themselves) is what their signature leaves out.
         ("plan", (*_COMPARED_OUT, "microbatch_size", "masked")),
@@ -416,9 +422,9 @@ _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
         ("testing.diagnose", _COMPARED_OUT),
         ("equinox.filter_assert_grads_match_full_batch", (*_COMPARED_OUT, "argnums")),
         ("equinox.filter_diagnose", (*_COMPARED_OUT, "argnums")),
-        ("flax.linen_value_and_grad", (*_options.SHARD_OPTIONS, *_FLAX_ROLES)),
-        ("flax.linen_train_step", (*_options.SHARD_OPTIONS, *_FLAX_ROLES)),
-        ("flax.nnx_value_and_grad", (*_options.SHARD_OPTIONS, *_FLAX_ROLES)),
+        ("flax.linen_value_and_grad", (*_shard_spec.SHARD_OPTIONS, *_FLAX_ROLES)),
+        ("flax.linen_train_step", (*_shard_spec.SHARD_OPTIONS, *_FLAX_ROLES)),
+        ("flax.nnx_value_and_grad", (*_shard_spec.SHARD_OPTIONS, *_FLAX_ROLES)),
         ("flax.linen_diagnose", (*_COMPARED_OUT, *_FLAX_ROLES)),
         ("flax.nnx_diagnose", (*_COMPARED_OUT, *_FLAX_ROLES)),
     ],
@@ -435,8 +441,8 @@ def test_front_end_keywords_are_the_options(front_end, exclude):
     for part in front_end.split("."):
         function = getattr(function, part)
     # not a front end's own keywords (its mesh, tolerances, budget, layout)
-    keyword_only = set(_keywords(function)) & _options.AccumOptions.option_names()
-    assert keyword_only == _options.AccumOptions.option_names() - set(exclude)
+    keyword_only = set(_keywords(function)) & _window_spec.WindowSpec.option_names()
+    assert keyword_only == _window_spec.WindowSpec.option_names() - set(exclude)
     documented = inspect.getdoc(function) or ""
     if "Keyword Args:" in documented:  # the others point to their core's
         for name in keyword_only:

@@ -35,11 +35,11 @@ from pipeline_checks import stage_fn as dense
 
 import jaxaccum
 from jaxaccum import pipeline_value_and_grad
-from jaxaccum._options import AccumOptions, PipelineLayout
 from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on
+from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +286,7 @@ def test_circular_schedule_with_fewer_microbatches_than_stages():
 
 
 def test_fewer_microbatches_than_stages_is_allowed_with_repeats_1():
-    options = AccumOptions(2, pipeline=PipelineLayout())
+    options = PipelineWindow(2, layout=PipelineLayout())
     schedule = schedule_on(AbstractMesh((4,), ("stage",)), options)
     assert schedule.num_ticks == 5 and schedule.bubble_fraction == pytest.approx(3 / 5)
 

@@ -22,7 +22,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._1f1b_tick import (
     Carry,
     Message,
@@ -46,6 +45,7 @@ from jaxaccum._pipeline._device import (
 )
 from jaxaccum._pipeline._run import Raw, Run, share_dtype
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._pipeline._stats import probed as probed_options
 from jaxaccum._types import Batch, PyTree
 
@@ -145,7 +145,7 @@ class OneFOneB(Schedule):
         return Raw(sums, per_micro, grads, probes, share).unscaled(loss_scale)
 
 
-def _reduced(grads: tuple, fsdp_dims: tuple, options: AccumOptions) -> tuple:
+def _reduced(grads: tuple, fsdp_dims: tuple, options: PipelineWindow) -> tuple:
     """The gradients summed over the devices once: the embedding's and the
     head's over every axis (they arise on one stage), the stages' over the
     data axis; FSDP leaves reduce-scattered over it on their dimension."""

@@ -15,7 +15,7 @@ from jaxaccum._accum_dtypes import accum_dtype_for, sum_dtype
 from jaxaccum._aux_plan import AuxPlan
 from jaxaccum._micro_result import aux_pair, weighted_pair
 from jaxaccum._noise_scale import unscaled_squared_norm
-from jaxaccum._options import AccumOptions
+from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import Fun, PyTree, Remat
 
 
@@ -87,7 +87,7 @@ def _keyword(fn: Fun | None, key: Any) -> dict:
     return {"key": key} if key is not None and takes_key(fn) else {}
 
 
-def _as_loss_out(out: PyTree, options: AccumOptions) -> LossOut:
+def _as_loss_out(out: PyTree, options: PipelineWindow) -> LossOut:
     """``loss_fn``'s result as a :class:`LossOut`, in its own dtypes."""
     loss, aux = aux_pair(out, "loss_fn") if options.has_aux else (out, ())
     weight: PyTree = ()
@@ -97,7 +97,7 @@ def _as_loss_out(out: PyTree, options: AccumOptions) -> LossOut:
     return LossOut(jnp.asarray(loss), weight, aux)
 
 
-def summed(out: LossOut, options: AccumOptions) -> LossOut:
+def summed(out: LossOut, options: PipelineWindow) -> LossOut:
     """``out`` in the dtypes the window sums it in, the core's: the loss and
     weight by :func:`sum_dtype`, aux as its :class:`AuxPlan` carries it (a
     list of leaves)."""
@@ -195,7 +195,7 @@ def make_calls(
     stage_fn: Fun,
     loss_fn: Fun,
     embed_fn: Fun | None,
-    options: AccumOptions,
+    options: PipelineWindow,
     like: tuple,
 ) -> Calls:
     """The window's :class:`Calls`; ``like`` holds ``(embed, one stage's,

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import _split
-from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, LossOut
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import Batch, Params, PyTree
 
 
@@ -58,7 +58,7 @@ class Device(NamedTuple):
     """What one device's window reads, fixed over the window."""
 
     calls: Calls
-    options: AccumOptions
+    options: PipelineWindow
     schedule: Schedule
     stage: jax.Array
     embed: Any
@@ -81,7 +81,7 @@ def fill_like(shapes: PyTree, value: float) -> PyTree:
     return jax.tree.map(full, shapes)
 
 
-def microbatch_keys(key: Any, options: AccumOptions, num: int) -> PyTree:
+def microbatch_keys(key: Any, options: PipelineWindow, num: int) -> PyTree:
     """Micro-batch ``k``'s key is ``split(key, M)[k]``, after folding in the
     data shard's index: the same for every tick and stage that carries it."""
     if key is None:
@@ -113,7 +113,7 @@ class Static(NamedTuple):
     """
 
     calls: Calls
-    options: AccumOptions
+    options: PipelineWindow
     schedule: Schedule
     shapes: Shapes
     fsdp_dims: tuple

@@ -11,10 +11,10 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxaccum import _batch_nodes, _metadata, _split
 from jaxaccum._fsdp import shard_plan
-from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import Calls, make_calls
 from jaxaccum._pipeline._device import Shapes
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import Batch, Params, PyTree
 
 
@@ -40,7 +40,7 @@ def reshape(x: jax.Array, shape: tuple, mesh: Any, spec: PartitionSpec) -> jax.A
     return jax.sharding.reshard(jnp.reshape(x, shape, out_sharding=sharding), sharding)
 
 
-def resolve_mesh(mesh: Mesh | AbstractMesh | None, options: AccumOptions) -> Any:
+def resolve_mesh(mesh: Mesh | AbstractMesh | None, options: PipelineWindow) -> Any:
     """``mesh`` (else the one set with ``jax.set_mesh``), checked to have the
     stage axis and the data axis."""
     if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
@@ -99,7 +99,7 @@ def _check_stage_params(stages: Params, schedule: Schedule) -> None:
             )
 
 
-def with_microbatch_count(options: AccumOptions, batch: Batch, mesh: Any) -> PyTree:
+def with_microbatch_count(options: PipelineWindow, batch: Batch, mesh: Any) -> PyTree:
     """``options`` with this batch's ``M`` (given, or read off the batch from
     ``microbatch_size``, rows per micro-batch on each data shard), checked to
     split the batch into pieces of equal rows on every data shard."""
@@ -111,7 +111,7 @@ def with_microbatch_count(options: AccumOptions, batch: Batch, mesh: Any) -> PyT
         split = f"{options.num_microbatches} micro-batches"
         fix = f"num_microbatches{by} = {piece} rows, or a num_microbatches"
     else:
-        assert options.microbatch_size is not None  # exactly one (AccumOptions)
+        assert options.microbatch_size is not None  # exactly one (PipelineWindow)
         piece = options.microbatch_size * shards
         split = f"micro-batches of {options.microbatch_size} rows"
         fix = f"microbatch_size{by} = {piece} rows, or a microbatch_size"
@@ -128,7 +128,7 @@ def with_microbatch_count(options: AccumOptions, batch: Batch, mesh: Any) -> PyT
     )
 
 
-def _microbatch_rows(batch: Batch, options: AccumOptions, mesh: Any, num: int) -> int:
+def _microbatch_rows(batch: Batch, options: PipelineWindow, mesh: Any, num: int) -> int:
     """Rows of one micro-batch on one data shard (:func:`with_microbatch_count`
     checked that they split)."""
     size = _split.batch_size_of([("batch", batch)])
@@ -195,7 +195,7 @@ def _abstract(tree: PyTree, one_stage: bool = False) -> PyTree:
     )
 
 
-def _fsdp_dims(params: tuple, options: AccumOptions) -> tuple:
+def _fsdp_dims(params: tuple, options: PipelineWindow) -> tuple:
     """Like ``params``, per leaf the dimension it is sharded over the data
     axis on (FSDP: gathered once per window, reduce-scattered once), or -1:
     the core's plan (``_fsdp.shard_plan``, as ``shard_value_and_grad``
@@ -219,7 +219,7 @@ def _fsdp_dims(params: tuple, options: AccumOptions) -> tuple:
             )
         specs.append(spec)
     plan = shard_plan(
-        dataclasses.replace(options, data_axes=(data_axis,), param_specs=tuple(specs)),
+        options.resharded(data_axes=(data_axis,), param_specs=tuple(specs)),
         metadata=tuple(_metadata.is_metadata(path, leaf) for path, leaf in leaves),
     )
     assert plan is not None  # it has a data axis
@@ -255,7 +255,11 @@ class Prepared(NamedTuple):
 
 
 def prepare(
-    functions: tuple, options: AccumOptions, mesh: Any, args: tuple, schedule: Schedule
+    functions: tuple,
+    options: PipelineWindow,
+    mesh: Any,
+    args: tuple,
+    schedule: Schedule,
 ):
     """Checks the call's arguments for ``schedule``; returns a
     :class:`Prepared`."""
@@ -283,7 +287,7 @@ def prepare(
     )
 
 
-def layout_specs(prepared: Prepared, options: AccumOptions) -> tuple:
+def layout_specs(prepared: Prepared, options: PipelineWindow) -> tuple:
     """The ``shard_map`` in_specs of ``(embed, stages, head)``: stages
     ``(R, S, ...)`` over the stage axis on axis 1, and every leaf sharded
     over the data axis (FSDP) on the dimension its parameter is."""

@@ -25,12 +25,6 @@ from typing_extensions import Unpack
 from jaxaccum import _split
 from jaxaccum._checks import candidate_counts
 from jaxaccum._memory_budget import parse_memory_budget
-from jaxaccum._options import (
-    NO_LOSS_SCALE,
-    PIPELINE_REFUSED,
-    AccumOptions,
-    PipelineLayout,
-)
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import prepare, resolve_mesh, unpack_params
 from jaxaccum._pipeline._plan_result import (
@@ -40,6 +34,7 @@ from jaxaccum._pipeline._plan_result import (
     nothing_fits,
 )
 from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on, schedule_type
+from jaxaccum._pipeline._spec import PIPELINE_REFUSED, PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._step import make_pipeline
 from jaxaccum._plan import total_bytes
 from jaxaccum._types import (
@@ -50,6 +45,7 @@ from jaxaccum._types import (
     PyTree,
     ScheduleName,
 )
+from jaxaccum._window_spec import NO_LOSS_SCALE
 
 _ASSUMED_RECOMPUTE = 1 / 3  # a backward pass twice the forward's FLOPs
 
@@ -151,7 +147,7 @@ def plan_pipeline(
         kind, remat = config
         pipeline = dataclasses.replace(layout, schedule=kind)
         call = dataclasses.replace(
-            base, num_microbatches=num, remat=remat, pipeline=pipeline
+            base, num_microbatches=num, remat=remat, layout=pipeline
         )
         row = _measure(functions, call, mesh, (params, microbatch, key))
         ticks = SCHEDULES[kind](num_stages, num, repeats)
@@ -194,17 +190,17 @@ def _refuse_window_size(options: Mapping[str, Any]) -> None:
 
 def _base_options(
     options: Mapping[str, Any], layout: PipelineLayout, schedule: str | None
-) -> AccumOptions:
+) -> PipelineWindow:
     """The options every compiled configuration starts from, checked before
     any compile: a given schedule must be built for ``layout.repeats``, and a
     loss scale is refused (it changes neither memory nor the gradient)."""
     if schedule is not None:
         schedule_type(schedule, layout.repeats)
-    return AccumOptions.create(
+    return PipelineWindow.create(
         "plan_pipeline",
         1,
         options,
-        fixed={"pipeline": layout},
+        fixed={"layout": layout},
         refused={**PIPELINE_REFUSED, "loss_scale": NO_LOSS_SCALE},
     )
 
@@ -309,7 +305,7 @@ def _window_batch(
     return jax.tree.map(window, microbatch)
 
 
-def _measure(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
+def _measure(functions: tuple, options: PipelineWindow, mesh: Any, args: tuple):
     """Compiles the step of ``options`` on its window's batch; a row with
     its memory (the bubble and efficiency left for the caller)."""
     params, microbatch, key = args
@@ -343,7 +339,7 @@ def _measure(functions: tuple, options: AccumOptions, mesh: Any, args: tuple):
 
 def _recompute(
     functions: tuple,
-    options: AccumOptions,
+    options: PipelineWindow,
     mesh: Any,
     params: Params,
     microbatch: Batch,

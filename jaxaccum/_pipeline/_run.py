@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec
 from jaxaccum._accum_dtypes import accum_dtype_for
 from jaxaccum._loss_scale import tree_finite, unscale
 from jaxaccum._micro_result import microbatch_share
-from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import Probes, Static
 from jaxaccum._pipeline._layout import Prepared, layout_specs, place, reshape
+from jaxaccum._pipeline._spec import PipelineWindow
 
 
 class Run(NamedTuple):
@@ -29,7 +29,7 @@ class Run(NamedTuple):
     """
 
     prepared: Prepared
-    options: AccumOptions
+    options: PipelineWindow
     bubble_fill: float = 0.0
     skip_bubbles: bool = True
 

@@ -4,13 +4,14 @@ SCHEDULES."""
 
 from typing import Any
 
-from jaxaccum._options import PIPELINE_SCHEDULES, AccumOptions
 from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._spec import PipelineWindow
+from jaxaccum._types import SCHEDULES as SCHEDULE_NAMES
 
 SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (GPipe, OneFOneB)}
-assert tuple(SCHEDULES) == PIPELINE_SCHEDULES, "the options' names are these"
+assert tuple(SCHEDULES) == SCHEDULE_NAMES, "ScheduleName lists these"
 
 
 def schedule_type(name: str, repeats: int) -> type[Schedule]:
@@ -32,7 +33,7 @@ def builds(name: str, repeats: int) -> bool:
     return True
 
 
-def schedule_on(mesh: Any, options: AccumOptions) -> Schedule:
+def schedule_on(mesh: Any, options: PipelineWindow) -> Schedule:
     """The window's schedule on ``mesh`` (``options.num_microbatches`` set)."""
     layout = options.layout
     num = options.num_microbatches

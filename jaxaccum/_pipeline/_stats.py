@@ -12,14 +12,14 @@ from jax.sharding import PartitionSpec
 
 from jaxaccum._micro_result import FiniteReport
 from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
-from jaxaccum._options import AccumOptions
 from jaxaccum._pipeline._device import Probes
 from jaxaccum._pipeline._layout import Prepared, place
+from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import PyTree
 
 
 def pipeline_stats(
-    raw: PyTree, prepared: Prepared, options: AccumOptions
+    raw: PyTree, prepared: Prepared, options: PipelineWindow
 ) -> WindowStats:
     """:class:`WindowStats` of a window's raw sums ``raw`` (its ``probes``,
     ``per_micro`` and ``grads``) from each micro-batch piece's (data shard ``j``,
@@ -53,14 +53,14 @@ def pipeline_stats(
     )
 
 
-def probed(options: AccumOptions) -> bool:
+def probed(options: PipelineWindow) -> bool:
     """Whether the window probes each micro-batch's gradient (its squared
     norm, and so whether it is finite)."""
     return options.report_stats or options.report_finite
 
 
 def make_probes(
-    prepared: Prepared, options: AccumOptions, loss_scale: jax.Array | None
+    prepared: Prepared, options: PipelineWindow, loss_scale: jax.Array | None
 ) -> tuple[Probes | None, PartitionSpec | None]:
     """With ``report_stats`` or ``report_finite``, the :class:`Probes` and
     their spec. Their values are what each piece's gradient is divided by
@@ -85,7 +85,7 @@ def unshared(probes: Probes | None, share: jax.Array) -> Probes | None:
     return jax.tree.map(lambda q: jnp.where(positive, q / safe / safe, 0), probes)
 
 
-def window_report(raw: PyTree, prepared: Prepared, options: AccumOptions) -> PyTree:
+def window_report(raw: PyTree, prepared: Prepared, options: PipelineWindow) -> PyTree:
     """The window's :class:`WindowStats` (``report_stats``), its
     :class:`FiniteReport` (``report_finite``: a micro-batch's loss and
     gradient finite), else ``()``."""

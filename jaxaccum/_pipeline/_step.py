@@ -12,11 +12,6 @@ from typing_extensions import Unpack
 from jaxaccum._aux_plan import AuxPlan
 from jaxaccum._call_checks import check_differentiable
 from jaxaccum._loss_scale import loss_scale_report, pop_loss_scale
-from jaxaccum._options import (
-    PIPELINE_REFUSED,
-    AccumOptions,
-    PipelineLayout,
-)
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import (
     Prepared,
@@ -31,12 +26,13 @@ from jaxaccum._pipeline._layout import (
 )
 from jaxaccum._pipeline._run import Raw, Run
 from jaxaccum._pipeline._schedules import schedule_on, schedule_type
+from jaxaccum._pipeline._spec import PIPELINE_REFUSED, PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._stats import probed, window_report
 from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
 from jaxaccum._window import normalized_value
 
 
-def _normalize(raw: Raw, prepared: Prepared, options: AccumOptions):
+def _normalize(raw: Raw, prepared: Prepared, options: PipelineWindow):
     """The window's value and aux from its sums, as the core's window
     normalises them (:func:`normalized_value`, :meth:`AuxPlan.finalize`),
     over the ``M D`` micro-batch pieces, in ``loss_fn``'s dtypes; the
@@ -53,7 +49,7 @@ def _normalize(raw: Raw, prepared: Prepared, options: AccumOptions):
 
 def make_pipeline(
     functions: tuple,
-    options: AccumOptions,
+    options: PipelineWindow,
     mesh: Mesh | AbstractMesh | None,
     bubble_fill: float = 0.0,
     skip_bubbles: bool = True,
@@ -185,11 +181,11 @@ def pipeline_value_and_grad(
       (True, (True, True, True))
     """
     layout = PipelineLayout(stage_axis, data_axis, repeats, schedule)
-    accum = AccumOptions.create(
+    accum = PipelineWindow.create(
         "pipeline_value_and_grad",
         num_microbatches,
         options,
-        fixed={"pipeline": layout},
+        fixed={"layout": layout},
         refused=PIPELINE_REFUSED,
     )
     return make_pipeline((stage_fn, loss_fn, embed_fn), accum, mesh)

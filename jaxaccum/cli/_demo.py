@@ -30,9 +30,9 @@ from rich.table import Table
 import jaxaccum
 import jaxaccum.growth
 from jaxaccum._checks import check_scalar
-from jaxaccum._options import AccumOptions
 from jaxaccum._plan import format_bytes, measure, train_step
 from jaxaccum._types import Batch, PyTree
+from jaxaccum._window_spec import WindowSpec
 from jaxaccum.cli import models
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides
@@ -95,7 +95,7 @@ def _memory(task: models.Task, args: argparse.Namespace, num: int):
         args.batch_size,
         jaxaccum.parse_memory_budget(args.memory_budget),
         optax.adam(args.learning_rate),
-        AccumOptions(num),
+        WindowSpec(num),
     )
 
 

@@ -35,8 +35,7 @@ from typing import Any, NamedTuple
 import optax
 
 import jaxaccum
-from jaxaccum._options import AUX_REDUCTIONS, REDUCTIONS
-from jaxaccum._types import Fun
+from jaxaccum._types import AUX_REDUCTIONS, REDUCTIONS, Fun
 from jaxaccum.cli import _pipeline_plan
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides, count, loss_flags_given

@@ -1,90 +1,39 @@
-"""The options of an accumulated function, built and validated once.
+"""What one accumulation window is, built from a front end's arguments and
+validated once.
 
 Every front end (``value_and_grad``, ``grad``, ``shard_value_and_grad``, the
-Flax helpers, ``plan``, ``testing``) turns its keyword arguments into one
-:class:`AccumOptions`; the core reads nothing else. A new option is added here,
-and where a front end needs a variant it derives it with
-``dataclasses.replace``.
+Flax and Equinox helpers, ``plan``, ``testing``, the pipeline) turns its
+keyword arguments into one :class:`WindowSpec` (the pipeline into its
+subclass, ``jaxaccum._pipeline._spec.PipelineWindow``); the core loop reads
+nothing else. How the window is sharded is its own small object,
+:class:`jaxaccum._shard_spec.Sharding`, set by the sharded front ends alone.
+Where a front end needs a variant it derives it with ``dataclasses.replace``.
 """
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar, Self
 
-import jax
 import jax.numpy as jnp
 
 from jaxaccum._checks import argnums_tuple, check_count, check_positive_int
+from jaxaccum._shard_spec import SHARD_OPTIONS, Sharding
 from jaxaccum._types import (
     AUX_REDUCTIONS,
     REDUCTIONS,
-    SCHEDULES,
-    SHARD_MODES,
     ArgNums,
     AuxReduction,
     PyTree,
     Reduction,
     Remat,
-    ScheduleName,
-    ShardMode,
 )
 
 # Aux reductions that keep one micro-batch's values: per device under shard_map.
 PER_MICROBATCH_AUX: tuple[str, ...] = ("stack", "concat", "last")
 
 
-# The aux reductions of a pipeline: each micro-batch's aux is computed on the
-# last stage's device, per data shard, and summed there.
-PIPELINE_AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
-
-
-# The pipeline's schedules (docs/guides/pipeline.md): the names of
-# jaxaccum._pipeline._schedules.SCHEDULES, where each becomes its class.
-PIPELINE_SCHEDULES: tuple[str, ...] = SCHEDULES
-
-
 @dataclasses.dataclass(frozen=True)
-class PipelineLayout:
-    """Where a pipelined window's stages and batch lie: the pipeline's part of
-    :class:`AccumOptions`, set by :func:`jaxaccum.pipeline_value_and_grad`.
-
-    Attributes:
-      stage_axis: the mesh axis the stages are placed on.
-      data_axis: the mesh axis the batch is sharded over, or None.
-      repeats: ``R``, stages per device (circular schedule when > 1).
-      schedule: ``"gpipe"`` or ``"1f1b"``.
-    """
-
-    stage_axis: str = "stage"
-    data_axis: str | None = None
-    repeats: int = 1
-    schedule: ScheduleName = "gpipe"
-
-    def __post_init__(self) -> None:
-        check_positive_int("repeats", self.repeats)
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {PIPELINE_SCHEDULES}, got {self.schedule!r}."
-            )
-        for name in ("stage_axis", "data_axis"):
-            value = getattr(self, name)
-            if not (isinstance(value, str) or (name == "data_axis" and value is None)):
-                raise TypeError(f"{name} must be a mesh axis name, got {value!r}.")
-        if self.data_axis == self.stage_axis:
-            raise ValueError(
-                f"data_axis and stage_axis are both {self.stage_axis!r}: the "
-                "batch is sharded over one mesh axis, the stages placed on "
-                "another."
-            )
-
-    @property
-    def manual_axes(self) -> tuple[str, ...]:
-        """The mesh axes the window runs manual over."""
-        return (self.stage_axis,) + ((self.data_axis,) if self.data_axis else ())
-
-
-@dataclasses.dataclass(frozen=True)
-class AccumOptions:
+class WindowSpec:
     """How a function is accumulated; see :func:`jaxaccum.value_and_grad`.
 
     Attributes:
@@ -108,15 +57,8 @@ class AccumOptions:
       loss_scale: the call's ``loss_scale`` (a :class:`jaxaccum.DynamicLossScale`,
         traced) multiplies every micro-batch's loss; the report is a
         :class:`jaxaccum.LossScaleReport`.
-      data_axes: manual mesh axes the batch is split over (``shard_map``):
-        each device accumulates its rows, reduced once after the loop.
-      param_gather: when parameters sharded over ``data_axes`` are gathered.
-      grad_reduce: when gradients are reduced over ``data_axes``.
-      gather_dtype: dtype parameters are cast to before they are gathered.
-      param_specs: per differentiated leaf (flattened), its ``PartitionSpec``
-        outside the ``shard_map`` (``P()`` where unknown); set per call.
-      pipeline: a pipelined window's :class:`PipelineLayout` (set by
-        ``pipeline_value_and_grad``), else None.
+      sharding: how the window is split over devices
+        (:class:`jaxaccum._shard_spec.Sharding`; the default runs it whole).
     """
 
     num_microbatches: int | None = None
@@ -136,12 +78,7 @@ class AccumOptions:
     report_stats: bool = False
     masked: bool = False
     loss_scale: bool = False
-    data_axes: tuple[str, ...] = ()
-    param_gather: ShardMode = "auto"
-    grad_reduce: ShardMode = "auto"
-    gather_dtype: Any = None
-    param_specs: tuple[Any, ...] = ()
-    pipeline: PipelineLayout | None = None
+    sharding: Sharding = Sharding()
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_size is None):
@@ -176,18 +113,6 @@ class AccumOptions:
                 "is not the batch mean. Return (loss_sum, weight) from fun, with "
                 "example_mask applied to both, and use reduction='weighted'."
             )
-        for name in ("param_gather", "grad_reduce"):
-            if getattr(self, name) not in SHARD_MODES:
-                raise ValueError(
-                    f"{name} must be one of {SHARD_MODES}, got {getattr(self, name)!r}."
-                )
-        if self.gather_dtype is not None and not jnp.issubdtype(
-            self.gather_dtype, jnp.floating
-        ):
-            raise ValueError(
-                f"gather_dtype must be a floating dtype such as jnp.bfloat16 (or "
-                f"None), got {self.gather_dtype!r}."
-            )
         if not (
             self.remat is None or isinstance(self.remat, bool) or callable(self.remat)
         ):
@@ -210,33 +135,17 @@ class AccumOptions:
                 "alone."
             )
         self._check_roles()
-        if self.pipeline is not None:
-            self._check_pipeline()
-
-    def _check_pipeline(self) -> None:
-        for name in ("param_gather", "grad_reduce"):
-            if getattr(self, name) == "microbatch":
-                raise ValueError(
-                    f"{name}='microbatch' does not apply to a pipeline: a "
-                    "stage's device runs every micro-batch's ticks of its "
-                    "stages, so FSDP parameters are gathered once per window, "
-                    "before the loop, and their gradients reduce-scattered "
-                    "once, after it. Use 'window' (or 'auto')."
-                )
-        if not set(jax.tree.leaves(self.aux_reduction)) <= set(PIPELINE_AUX_REDUCTIONS):
-            raise ValueError(
-                f"aux_reduction must be one of {PIPELINE_AUX_REDUCTIONS} (or a "
-                "pytree prefix of the aux output mapping leaves to them) in a "
-                f"pipeline, got {self.aux_reduction!r}: each micro-batch's aux "
-                "is computed on the last stage's device, per data shard."
-            )
 
     @property
-    def layout(self) -> PipelineLayout:
-        """The pipeline's layout; a ValueError if this window is not one."""
-        if self.pipeline is None:
-            raise ValueError("these options are not a pipelined window's")
-        return self.pipeline
+    def data_axes(self) -> tuple[str, ...]:
+        """The manual mesh axes the window's sums reduce over (none unsharded)."""
+        return self.sharding.data_axes
+
+    def resharded(self, **changes: Any) -> Self:
+        """This window with its :class:`Sharding`'s ``changes``."""
+        return dataclasses.replace(
+            self, sharding=dataclasses.replace(self.sharding, **changes)
+        )
 
     def _check_roles(self) -> None:
         roles = self.roles
@@ -291,7 +200,7 @@ class AccumOptions:
         return self.report_finite or self.report_stats or self.loss_scale
 
     @property
-    def full_batch(self) -> "AccumOptions":
+    def full_batch(self) -> Self:
         """These options with one micro-batch: exactly ``jax.value_and_grad``."""
         return dataclasses.replace(
             self, num_microbatches=1, microbatch_size=None, masked=False
@@ -306,7 +215,7 @@ class AccumOptions:
         *,
         fixed: Mapping[str, Any] | None = None,
         refused: Mapping[str, str] | None = None,
-    ) -> "AccumOptions":
+    ) -> Self:
         """The options of a call of the front end ``where``: the one way every
         front end builds them.
 
@@ -315,17 +224,23 @@ class AccumOptions:
           num_microbatches: the call's ``N`` (or None, with
             ``microbatch_size`` among ``options``).
           options: the caller's keyword options, names of fields.
-          fixed: fields the front end sets itself (its argument roles).
+          fixed: fields the front end sets itself (its argument roles, a
+            sharded front end's ``data_axes``).
           refused: fields it does not take, each with why and what to use.
 
         Raises:
           TypeError: naming the keyword, for one that is not a field (listing
             the front end's options), one in ``fixed`` or in ``refused``, or
-            a field set per call (``data_axes``, ``param_specs``).
+            one set by a front end itself (``data_axes``, ``param_specs``,
+            a pipeline's ``layout``).
         """
         fixed = dict(fixed or {})
         cls.check_keywords(where, options, fixed=fixed, refused=refused)
-        return cls(num_microbatches, **options, **fixed)
+        given = {**options, **fixed}
+        sharded = {k: given.pop(k) for k in Sharding.field_names() & set(given)}
+        if sharded:
+            given["sharding"] = Sharding(**sharded)
+        return cls(num_microbatches, **given)
 
     @classmethod
     def check_keywords(
@@ -354,55 +269,17 @@ class AccumOptions:
                     f"options are: {', '.join(accepted)}."
                 )
 
+    # Fields no caller sets: N is positional, the rest set by the front ends.
+    _SET_BY_FRONT_ENDS: ClassVar[frozenset[str]] = frozenset(
+        {"num_microbatches", "sharding", "data_axes", "param_specs"}
+    )
+
     @classmethod
     def option_names(cls) -> frozenset[str]:
-        """The fields a caller may set (every field but ``num_microbatches``,
-        which front ends take positionally, those set per call, and the
-        pipeline's layout, which its front end sets)."""
-        per_call = {"num_microbatches", "data_axes", "param_specs", "pipeline"}
-        return frozenset(field.name for field in dataclasses.fields(cls)) - per_call
-
-
-# Options of shard_value_and_grad alone: how parameters sharded over the data
-# axes are gathered and gradients reduced over them.
-SHARD_OPTIONS: dict[str, str] = {
-    name: "it is an option of jaxaccum.shard_value_and_grad (how parameters "
-    "sharded over the data axes are gathered and gradients reduced)."
-    for name in ("param_gather", "grad_reduce", "gather_dtype")
-}
-
-
-_PIPELINE_ROLES = (
-    "the pipeline's step has one layout, step(params, batch, key=None): "
-    "params = (embed_params, stage_params, head_params) differentiated, the "
-    "batch split into micro-batches, the key split per micro-batch."
-)
-_PIPELINE_FSDP = (
-    "a pipeline casts its parameters to the accumulation dtype before the "
-    "loop (their gradients accumulate over the ticks there) and gathers FSDP "
-    "parameters once per window in it; accum_dtype=None gathers them in "
-    "their own dtype."
-)
-# What the core takes that a pipeline cannot, each with why.
-PIPELINE_REFUSED: dict[str, str] = {
-    "argnums": _PIPELINE_ROLES,
-    "batch_argnums": _PIPELINE_ROLES,
-    "key_argnums": _PIPELINE_ROLES,
-    "state_argnums": (
-        "carried state (BatchNorm) would have to pass from stage to stage "
-        "between micro-batches, which the schedule runs at once on different "
-        "devices; keep running statistics out of pipelined stages."
-    ),
-    "pad": (
-        "every micro-batch flows through every stage with one shape: pass a "
-        "batch that M (times the data shards) divides."
-    ),
-    "masked": (
-        "the schedule's ticks are fixed when it is compiled: build a step "
-        "per window length."
-    ),
-    "gather_dtype": _PIPELINE_FSDP,
-}
+        """The keywords a caller may set: the fields (and the
+        :class:`Sharding` fields) but those the front ends set themselves."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return frozenset(names | Sharding.field_names()) - cls._SET_BY_FRONT_ENDS
 
 
 # Why the testing and planning front ends refuse loss_scale.
