@@ -2,6 +2,7 @@
 on CPU (its full preset runs on a GPU; benchmarks/results/gpu.json)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -11,6 +12,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_gpu_benchmark_smoke_runs_every_contender(tmp_path):
     out = tmp_path / "gpu.json"
+    # The smoke run proves every contender runs, not how fast: XLA's backend
+    # at its lowest optimisation compiles in half the time (98 s -> 48 s).
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     done = subprocess.run(
         [
             sys.executable,
@@ -22,6 +26,7 @@ def test_gpu_benchmark_smoke_runs_every_contender(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "XLA_FLAGS": flags.strip()},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
