@@ -204,7 +204,7 @@ class Case:
 
     @property
     def ticks(self):
-        if self.schedule == "1f1b":
+        if self.schedule in ("1f1b", "zero-bubble"):  # the loop's: permutes
             return self.num_microbatches + 2 * (self.num_stages - 1)
         return self.num_microbatches * self.repeats + self.num_stages - 1
 

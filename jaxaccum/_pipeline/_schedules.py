@@ -8,8 +8,11 @@ from jaxaccum._options import PIPELINE_SCHEDULES, AccumOptions
 from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._schedule import Schedule
+from jaxaccum._pipeline._zero_bubble import ZeroBubble
 
-SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (GPipe, OneFOneB)}
+SCHEDULES: dict[str, type[Schedule]] = {
+    cls.name: cls for cls in (GPipe, OneFOneB, ZeroBubble)
+}
 assert tuple(SCHEDULES) == PIPELINE_SCHEDULES, "the options' names are these"
 
 
