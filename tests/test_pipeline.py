@@ -14,6 +14,8 @@ one stage, and the errors bad input gets.
 import contextlib
 import functools
 import itertools
+import json
+import pathlib
 import unittest.mock
 from typing import Any, NamedTuple
 
@@ -40,6 +42,14 @@ from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on
+from jaxaccum._pipeline._zero_bubble import ZeroBubble
+
+ZERO_BUBBLE_RESULTS = (
+    pathlib.Path(__file__).parents[1]
+    / "benchmarks"
+    / "results"
+    / "pipeline_zero_bubble.json"
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +171,14 @@ def window_reference(params, batch, reduction, key=None, layers=1):
     remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
     stats=st.booleans(),
     by_size=st.booleans(),
-    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble"]),
 )
 def test_options_against_the_window_reference(
     repeats, reduction, with_key, remat, stats, by_size, schedule
 ):
     """Every combination of repeats, reduction (with aux), keys, remat,
-    report_stats, M given as a count or a size and the schedule (1F1B at
-    R = 1) equals the micro-batch-by-micro-batch reference (RTOL of
+    report_stats, M given as a count or a size and the schedule (1F1B and
+    zero-bubble at R = 1) equals the micro-batch-by-micro-batch reference (RTOL of
     pipeline_checks.py: the same sums in another order)."""
     assume(schedule == "gpipe" or repeats == 1)
     params, batch = one_device_case(repeats)
@@ -345,6 +355,10 @@ def test_a_weighted_loss_that_is_not_a_pair():
         ({"data_axis": "stage"}, "both 'stage'"),
         ({"schedule": "zb"}, "schedule must be one of"),
         ({"schedule": "1f1b", "repeats": 2}, r"interleaved 1F1B\) is not built"),
+        (
+            {"schedule": "zero-bubble", "repeats": 2},
+            r"schedule='zero-bubble' with repeats=2 is not built",
+        ),
     ],
 )
 def test_bad_options_fail_at_construction(options, match):
@@ -373,7 +387,7 @@ def test_what_a_pipeline_cannot_do_is_refused_with_why(option):
         build(**option)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
 def test_report_finite_names_the_micro_batch(schedule):
     """``report_finite``: micro-batch k (rows k, k + M, ...) is not finite
     exactly where one of its rows is inf; a clean window is finite."""
@@ -465,6 +479,50 @@ def test_the_modeled_window_is_the_asynchronous_schedules(stages, num, repeats):
     )
     if repeats == 1:
         assert OneFOneB(stages, num).modeled_window() == 3 * (num + stages - 1)
+        # Zero-bubble (B = W = 1): between the asynchronous ZB-H1 and 1F1B.
+        window = ZeroBubble(stages, num).modeled_window()
+        assert 3 * num + stages - 1 <= window <= 3 * (num + stages - 1)
+        assert window < 3 * (num + stages - 1) or stages == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(stages=st.integers(1, 8), num=st.integers(1, 20), stored=st.integers(1, 15))
+def test_zero_bubble_runs_each_w_once_after_its_b_before_its_slots_are_reused(
+    stages, num, stored
+):
+    """Zero-bubble's W table: each device runs each micro-batch's W once, one
+    a tick, in the tick of its B (1F1B's backward slot) or later, and before
+    its slots are written again: its residual slot by the forward of
+    micro-batch m + K, its stored cotangent's by the B of m + stored (in
+    the tick, the forward and the B run before the W)."""
+    schedule = type("Capped", (ZeroBubble,), {"max_stored": stored})(stages, num)
+    table, size = schedule.weight_table(), schedule.ring_size
+    kept = schedule.stored_size
+    assert kept == min(stored, size)
+    for device in range(stages):
+        row = table[device]
+        ticks = {int(m): t for t, m in enumerate(row) if m >= 0}
+        assert sorted(ticks) == list(range(num)) and (row >= 0).sum() == num
+        for micro, tick in ticks.items():
+            backward = micro + 2 * (stages - 1) - device
+            assert tick >= backward, (device, micro, tick)
+            if micro + size < num:
+                assert tick < micro + size + device, (device, micro, tick)
+            if micro + kept < num:
+                assert tick < backward + kept, (device, micro, tick)
+    assert table.shape[1] >= schedule.loop_ticks
+
+
+def test_zero_bubble_window_is_the_integer_programs_optimum():
+    """With one W slot a tick, the greedy W table's modeled window equals
+    the integer program's optimum (benchmarks/pipeline_zero_bubble.py, its
+    committed rows for S = 2, 4, 8)."""
+    rows = json.loads(ZERO_BUBBLE_RESULTS.read_text())["rows"]
+    assert len(rows) >= 15
+    for row in rows.values():
+        schedule = ZeroBubble(row["stages"], row["num_microbatches"])
+        optimum = row["one_slot"]["zero_bubble_window"]
+        assert schedule.modeled_window() == optimum, (row, schedule.modeled_window())
 
 
 @settings(max_examples=40, deadline=None)
@@ -479,14 +537,18 @@ def test_each_schedules_gradient_table_is_the_slot_that_computes_it(
 ):
     """The statistics read which micro-batch a stage's gradient comes from
     at each tick off the schedule's own table: GPipe's forward slot (autodiff
-    differentiates the tick that ran it), 1F1B's backward slot."""
+    differentiates the tick that ran it), 1F1B's backward slot, zero-bubble's
+    W slot."""
     if not builds(name, repeats) or (repeats > 1 and num < stages):
         return
     schedule = SCHEDULES[name](stages, num, repeats)
     table = schedule.stage_gradient_table()
     assert table.shape == (stages, schedule.num_ticks, num)
     for tick, device in itertools.product(range(schedule.num_ticks), range(stages)):
-        if isinstance(schedule, OneFOneB):
+        if isinstance(schedule, ZeroBubble):
+            micro = int(schedule.weight_table()[device, tick])
+            valid = micro >= 0
+        elif isinstance(schedule, OneFOneB):
             valid, micro = schedule.backward_at(jnp.int32(tick), jnp.int32(device))
         else:
             at = schedule.at(jnp.int32(tick), jnp.int32(device))
@@ -876,7 +938,7 @@ PIPELINE_CHOICES = {
     "report": [None, "report_stats", "report_finite"],
     "scale_exponent": [None, 0, 64, 80],
     "repeats": [1, 2],
-    "schedule": ["gpipe", "1f1b"],
+    "schedule": ["gpipe", "1f1b", "zero-bubble"],
     "loss_dtype": [jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_],
 }
 PIPELINE_OPTIONS = {name: st.sampled_from(v) for name, v in PIPELINE_CHOICES.items()}
@@ -935,6 +997,15 @@ EXAMPLE = {  # every option at its first value, then each issue-45 case
 )
 @example(**{**EXAMPLE, "loss_dtype": jnp.int32})  # issue 55, case 1
 @example(**{**EXAMPLE, "loss_dtype": jnp.bool_, "schedule": "1f1b"})
+@example(
+    **{
+        **EXAMPLE,
+        "schedule": "zero-bubble",
+        "reduction": "weighted",
+        "report": "report_stats",
+        "scale_exponent": 64,
+    }
+)
 @example(
     **{**EXAMPLE, "loss_dtype": jnp.bfloat16, "reduction": "weighted", "repeats": 2}
 )

@@ -23,20 +23,21 @@ from jaxaccum._pipeline._zero_bubble_tick import run_window
 
 
 @functools.lru_cache(maxsize=256)
-def weight_table(num_stages: int, num_microbatches: int) -> np.ndarray:
+def weight_table(num_stages: int, num_microbatches: int, stored: int) -> np.ndarray:
     """``(S, T)`` int: the micro-batch whose W device ``d`` runs at tick
     ``t``, or -1; ``T`` is 1F1B's ``M + 2 (S - 1)`` ticks and those appended.
 
     Greedy, tick by tick: a device runs its oldest pending W (its B done,
     in this tick or before) when that does not lengthen the tick (its F and
-    B slots leave room under the busiest device's), or when the W's
-    residuals are due to be overwritten (micro-batch ``m``'s ring slot is
-    ``m + K``'s from that one's forward, tick ``m + K + d``: its W runs by
-    tick ``m + K + d - 1``), or in an appended tick. Its modeled window is
-    the integer program's optimum with one W slot a tick for ``S`` in 2..8,
-    ``M`` in 1..32 (``benchmarks/pipeline_zero_bubble.py``)."""
+    B slots leave room under the busiest device's), in an appended tick, or
+    when its slots are due: micro-batch ``m``'s residual slot is ``m + K``'s
+    from that one's forward (tick ``m + K + d``), its stored cotangent's
+    slot ``m + stored``'s from that one's B (tick ``m + stored + 2 (S - 1)
+    - d``); the W runs in a tick before. With ``stored = K`` its modeled
+    window is the integer program's optimum with one W slot a tick for
+    ``S`` in 2..8, ``M`` in 1..32 (``benchmarks/pipeline_zero_bubble.py``)."""
     one = OneFOneB(num_stages, num_microbatches)
-    busy, ring = one.busy_table(), one.ring_size
+    busy, ring, lag = one.busy_table(), one.ring_size, one.lag
     mandatory = (busy % 2 == 1).astype(int) + (busy >= 2).astype(int)  # F + B
     stage = np.arange(num_stages)
     done = np.zeros(num_stages, int)  # the W's each device has run
@@ -44,11 +45,12 @@ def weight_table(num_stages: int, num_microbatches: int) -> np.ndarray:
     tick = 0
     while (done < num_microbatches).any():
         own = mandatory[:, tick] if tick < one.num_ticks else np.zeros_like(done)
-        backwards = np.clip(tick - 2 * one.lag + stage + 1, 0, num_microbatches)
-        ready = done < backwards
-        due = (
-            ready & (done + ring < num_microbatches) & (done + ring + stage - 1 <= tick)
+        ready = done < np.clip(tick - 2 * lag + stage + 1, 0, num_microbatches)
+        residual = (done + ring < num_microbatches) & (done + ring + stage <= tick + 1)
+        cotangent = (done + stored < num_microbatches) & (
+            done + stored + 2 * lag - stage <= tick + 1
         )
+        due = ready & (residual | cotangent)
         longest = (own + due).max()
         runs = ready & (due | (own + 1 <= longest) | (longest == 0))
         columns.append(np.where(runs, done, -1))
@@ -64,11 +66,15 @@ class ZeroBubble(OneFOneB):
     """Zero-bubble in one program: 1F1B's ticks with the backward split into
     its input part B (1F1B's backward slot) and its weight part W (a slot of
     its own, placed by :func:`weight_table`), then the ticks the W's still
-    owed need. The activation memory is 1F1B's ring of ``min(2 S - 1, M)``
-    residual slots and a ring as long of the stage outputs' cotangents.
+    owed need. The activation memory is 1F1B's ring of ``K = min(2 S - 1,
+    M)`` residual slots and a ring as long of the stage outputs'
+    cotangents.
     ``repeats=1`` only."""
 
     name: ClassVar[str] = "zero-bubble"
+    # The most stored cotangents a device keeps (None: the ring's K, the
+    # least window); fewer cost window for memory (benchmarks/pipeline.py).
+    max_stored: ClassVar[int | None] = None
 
     @classmethod
     def check_repeats(cls, repeats: int) -> None:
@@ -80,10 +86,15 @@ class ZeroBubble(OneFOneB):
                 "schedule='gpipe' for the circular schedule."
             )
 
+    @property
+    def stored_size(self) -> int:
+        """The stored cotangents' slots: ``K``, or ``max_stored`` if fewer."""
+        return min(self.max_stored or self.ring_size, self.ring_size)
+
     def weight_table(self) -> np.ndarray:
         """``(S, T)``: the micro-batch whose W each device runs at each tick,
         or -1 (:func:`weight_table`)."""
-        return weight_table(self.num_stages, self.num_microbatches)
+        return weight_table(self.num_stages, self.num_microbatches, self.stored_size)
 
     @property
     def loop_ticks(self) -> int:

@@ -53,13 +53,14 @@ def _ticks_of(device: Device) -> "ZeroBubble":
 class Carry(NamedTuple):
     """A device's scan carry: 1F1B's, and ``stored``, the :class:`Message`
     each B slot was handed (``(K, ...)`` cotangent slots, ``(K,)`` shares),
-    read by the micro-batch's W slot.
+    read by the micro-batch's W slot (``K`` of them, or ``max_stored``).
 
     Attributes:
       incoming: the activation the previous stage's device handed over.
       back: the :class:`Message` the next stage's device handed back.
       ring: per saved residual, its ``(K, ...)`` slots.
-      stored: the stored cotangents and shares, slot ``m % K``.
+      stored: the stored cotangents and shares, micro-batch ``m``'s in
+        slot ``m`` modulo their number.
       grads: ``(embed, stages, head)`` gradients, in the accumulation dtype.
       sums: the :class:`LossOut` summed over the micro-batches so far.
     """
@@ -82,8 +83,7 @@ def _input_slot(window: Window, carry: Carry, ring: list, message: Message, t: A
     device = window.device
     schedule = _ticks_of(device)
     valid, index = schedule.backward_at(t, device.stage)
-    slot = index % schedule.ring_size
-    saved = read_ring(ring, slot)
+    saved = read_ring(ring, index % schedule.ring_size)
 
     def run(saved, message):
         given = stage_given(device, index)
@@ -99,6 +99,7 @@ def _input_slot(window: Window, carry: Carry, ring: list, message: Message, t: A
         back = device_cond(device, valid, run, idle, saved, message)
     else:
         back = run(saved, message)
+    slot = index % schedule.stored_size
     old = Message(
         read_ring(carry.stored.cotangent, slot),
         lax.dynamic_index_in_dim(carry.stored.share, slot, 0, keepdims=False),
@@ -123,8 +124,9 @@ def _weight_slot(window: Window, stage_grad: Any, ring: list, stored: Message, t
     schedule = _ticks_of(device)
     micro = jnp.asarray(schedule.weight_table())[device.stage, t]
     valid, index = micro >= 0, jnp.maximum(micro, 0)
-    slot = index % schedule.ring_size
-    saved, cotangent = read_ring(ring, slot), read_ring(stored.cotangent, slot)
+    saved = read_ring(ring, index % schedule.ring_size)
+    slot = index % schedule.stored_size
+    cotangent = read_ring(stored.cotangent, slot)
     share = lax.dynamic_index_in_dim(stored.share, slot, 0, keepdims=False)
     zero = varying(jnp.zeros((), jnp.float32), axes_of(device))
 
@@ -184,7 +186,7 @@ def _appended_tick(window: Window, carry: Carry, tick_index: Any):
 def _initial(window: Window, shapes: Shapes) -> Carry:
     """1F1B's carry before the first tick, and an empty cotangent ring."""
     one = initial_carry(window, shapes)
-    count = _ticks_of(window.device).ring_size
+    count = _ticks_of(window.device).stored_size
     stored = Message(
         [ring_slots(x, count) for x in one.back.cotangent],
         jnp.zeros((count,), window.share_dtype),
@@ -223,6 +225,7 @@ def run_window(
             lambda c, t: _appended_tick(window, c, t),
             carry,
             jnp.arange(schedule.loop_ticks, schedule.num_ticks),
+            unroll=options.unroll,
         )
         stage_sq = jnp.concatenate([stage_sq, appended_sq])
     per_tick = (loss, weight, embed_sq, stage_sq, head_sq)
