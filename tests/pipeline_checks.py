@@ -923,7 +923,8 @@ def check_plan_pipeline():
         data_axis="data",
     )
     table = {}
-    for schedule, num in itertools.product(("gpipe", "1f1b"), (4, 8, 16)):
+    schedules = ("gpipe", "1f1b", "zero-bubble")
+    for schedule, num in itertools.product(schedules, (4, 8, 16)):
         one = plan(
             memory_budget=2**40, candidates=[num], schedule=schedule, remat=False
         )

@@ -1106,9 +1106,9 @@ def test_pipeline_options_drawn_against_the_sequential_model(
 @functools.cache
 def exhaustive_footprints(repeats: int) -> dict:
     """Every (schedule, remat, M)'s footprint and efficiency, each compiled
-    alone (1F1B with repeats=1 only)."""
+    alone (1F1B and zero-bubble with repeats=1 only)."""
     table = {}
-    schedules = ("gpipe", "1f1b") if repeats == 1 else ("gpipe",)
+    schedules = tuple(SCHEDULES) if repeats == 1 else ("gpipe",)
     for schedule, remat, num in itertools.product(schedules, (False, True), (2, 4, 8)):
         one = planned(
             candidates=[num],
@@ -1124,7 +1124,7 @@ def exhaustive_footprints(repeats: int) -> dict:
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(
     repeats=st.sampled_from([1, 2]),
-    schedule=st.sampled_from(["choose", "gpipe", "1f1b"]),
+    schedule=st.sampled_from(["choose", "gpipe", "1f1b", "zero-bubble"]),
     remat=st.sampled_from(["choose", False, True]),
     candidates=st.sampled_from([(2, 4, 8), (4, 8), (2, 8)]),
     budget_at=st.integers(0, 5),
@@ -1135,12 +1135,12 @@ def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
     """For drawn repeats, schedule and remat (chosen, or given), candidates
     and budgets (each a compiled footprint), the plan is the most efficient
     fitting configuration of the exhaustive table, with that footprint, and
-    on a tie of efficiencies GPipe's."""
-    assume(repeats == 1 or schedule != "1f1b")
+    on a tie of efficiencies the first registered (GPipe, 1F1B, zero-bubble)."""
+    assume(repeats == 1 or schedule in ("choose", "gpipe"))
     table = exhaustive_footprints(repeats)
     budget = sorted(f for f, _ in table.values())[budget_at]
     remats = (False, True) if remat == "choose" else (remat,)
-    schedules = ("gpipe", "1f1b") if schedule == "choose" else (schedule,)
+    schedules = tuple(SCHEDULES) if schedule == "choose" else (schedule,)
     fitting = {
         key: value
         for key, value in table.items()
@@ -1165,7 +1165,7 @@ def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
     key = (plan.schedule, plan.remat, plan.num_microbatches)
     assert key in fitting and plan.footprint_bytes == fitting[key][0]
     ties = {k[0] for k, (_, e) in fitting.items() if e == best}
-    assert plan.schedule == ("gpipe" if "gpipe" in ties else "1f1b"), (plan, ties)
+    assert plan.schedule == next(n for n in SCHEDULES if n in ties), (plan, ties)
 
 
 # Malformed arguments to plan_pipeline (issue 55's cases 4 to 6 first): each
@@ -1209,7 +1209,10 @@ MALFORMED = {
     "num_microbatches": ({"num_microbatches": 4}, "do not pass num_microbatches"),
     "masked": ({"masked": True}, "plan_pipeline does not take masked"),
     "remat": ({"remat": "yes"}, "remat must be True, False"),
-    "schedule": ({"schedule": "1f2b"}, r"schedule must be one of \('gpipe', '1f1b'\)"),
+    "schedule": (
+        {"schedule": "1f2b"},
+        r"schedule must be one of \('gpipe', '1f1b', 'zero-bubble'\)",
+    ),
     "memory_budget": ({"memory_budget": "lots"}, "Cannot read memory_budget='lots'"),
     "reduction": ({"reduction": "avg"}, "reduction must be one of"),
 }
@@ -1223,7 +1226,7 @@ def no_compile(*_, **__):
 @given(
     malformed=st.sampled_from(list(MALFORMED)),
     repeats=st.sampled_from([1, 2]),
-    schedule=st.sampled_from([None, "gpipe", "1f1b"]),
+    schedule=st.sampled_from([None, "gpipe", "1f1b", "zero-bubble"]),
     remat=st.sampled_from([None, False, True]),
     abstract=st.booleans(),
 )
@@ -1242,7 +1245,7 @@ def test_plan_pipeline_refuses_drawn_malformed_arguments_before_compiling(
     with a message about calling the step; each drawn malformed argument,
     beside drawn valid options (given as arrays or shapes), is refused with
     its own message before anything compiles."""
-    assume(repeats == 1 or schedule != "1f1b")  # 1F1B: R = 1 (refused else)
+    assume(repeats == 1 or schedule in (None, "gpipe"))  # 1F1B, ZB: R = 1
     params, micro = make_params(repeats), make_batch(64)
     bad, message = MALFORMED[malformed]
     arguments = {

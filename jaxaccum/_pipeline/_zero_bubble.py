@@ -75,6 +75,7 @@ class ZeroBubble(OneFOneB):
     # The most stored cotangents a device keeps (None: the ring's K, the
     # least window); fewer cost window for memory (benchmarks/pipeline.py).
     max_stored: ClassVar[int | None] = None
+    remat_forwards: ClassVar[int] = 2
 
     @classmethod
     def check_repeats(cls, repeats: int) -> None:
