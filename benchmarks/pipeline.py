@@ -73,6 +73,11 @@ from jaxaccum._pipeline._1f1b_tick import backward, forward  # noqa: E402
 from jaxaccum._pipeline._schedules import SCHEDULES as REGISTERED  # noqa: E402
 from jaxaccum._pipeline._step import make_pipeline  # noqa: E402
 from jaxaccum._pipeline._zero_bubble import ZeroBubble  # noqa: E402
+from jaxaccum._pipeline._zero_bubble_split import (  # noqa: E402
+    input_part,
+    split_backward,
+    weight_part,
+)
 from jaxaccum.cli.harness import machine  # noqa: E402
 
 NUM_DEVICES = 8
@@ -364,7 +369,9 @@ def zero_bubble_slot_flops(remat: bool) -> dict:
     """Each slot's FLOPs (``cost_analysis``) against the forward's, one
     stage of this model on one micro-batch, compiled alone as the slots run
     it: the forward (its residuals saved), 1F1B's backward (the pullback
-    whole), zero-bubble's B (the input's cotangent) and W (the parameters')."""
+    whole), zero-bubble's B and W (the backward split at its jaxpr), the
+    pullback with its input's cotangent dropped (W without the split), and
+    the boundary B stores for W, in activations."""
     params, batch = model(1, ROWS)
     stage = jax.tree.map(lambda p: p[0], params[1])
     body = jax.checkpoint(stage_fn) if remat else stage_fn
@@ -375,6 +382,13 @@ def zero_bubble_slot_flops(remat: bool) -> dict:
         return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
 
     given = (stage, None)
+    leaves, tree = jax.tree.flatten((given, saved, y))
+
+    def flat(*leaves):
+        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
+
+    split = split_backward(flat, leaves, 1, 1)
+    boundary = input_part(split, leaves)[1]
     flops_of = {
         "forward": cost(
             lambda g, x: forward(lambda g, x: body(g[0], x), g, x)[:2], given, x
@@ -382,14 +396,14 @@ def zero_bubble_slot_flops(remat: bool) -> dict:
         "backward_1f1b": cost(
             lambda g, s, c: backward(pullback, g, s, c), given, saved, y
         ),
-        "input_b": cost(
-            lambda g, s, c: backward(pullback, g, s, c)[1], given, saved, y
-        ),
-        "weight_w": cost(
+        "input_b": cost(lambda *a: input_part(split, a), *leaves),
+        "weight_w": cost(lambda a, b: weight_part(split, a, b), leaves, boundary),
+        "weight_dropped_input": cost(
             lambda g, s, c: backward(pullback, g, s, c)[0][0], given, saved, y
         ),
     }
-    return {name: value / flops_of["forward"] for name, value in flops_of.items()}
+    ratios = {name: value / flops_of["forward"] for name, value in flops_of.items()}
+    return {**ratios, "boundary_activations": sum(b.size for b in boundary) / y.size}
 
 
 def zero_bubble_row(num: int, stored: int | None = None) -> dict:

@@ -39,10 +39,16 @@ import jaxaccum
 from jaxaccum import pipeline_value_and_grad
 from jaxaccum._options import AccumOptions, PipelineLayout
 from jaxaccum._pipeline._1f1b import OneFOneB
+from jaxaccum._pipeline._1f1b_tick import backward, forward
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
+from jaxaccum._pipeline._zero_bubble_split import (
+    input_part,
+    split_backward,
+    weight_part,
+)
 
 ZERO_BUBBLE_RESULTS = (
     pathlib.Path(__file__).parents[1]
@@ -511,6 +517,79 @@ def test_zero_bubble_runs_each_w_once_after_its_b_before_its_slots_are_reused(
             if micro + kept < num:
                 assert tick < backward + kept, (device, micro, tick)
     assert table.shape[1] >= schedule.loop_ticks
+
+
+def layered(params, x, key=None):
+    """``dense`` applied once per layer of ``params`` (``(L, ...)``), with
+    an integer leaf riding along and, given a key, dropout-like noise."""
+    h = x["x"] if isinstance(x, dict) else x
+    for layer in range(params["w"].shape[0]):
+        h = jnp.tanh(h @ params["w"][layer] + params["b"][layer])
+        if key is not None:
+            h = h * jax.random.bernoulli(jax.random.fold_in(key, layer), 0.9, h.shape)
+    return {**x, "x": h} if isinstance(x, dict) else h
+
+
+@pytest.mark.parametrize(
+    "layers, remat, keyed, with_int",
+    [(1, False, False, False), (3, False, True, True), (2, True, False, True)],
+)
+def test_the_split_backward_is_the_pullback_and_w_does_not_redo_b(
+    layers, remat, keyed, with_int
+):
+    """Zero-bubble's B and W halves (the stage's backward split at its
+    jaxpr) give the pullback's input and parameter cotangents, and W costs
+    a layer's backward per layer (about the forward's FLOPs), not the
+    ``2 L - 1`` a pullback with its input's cotangent dropped redoes."""
+    rng = np.random.default_rng(0)
+    width = 32
+    params = {
+        "w": jnp.asarray(rng.normal(size=(layers, width, width)) / width**0.5),
+        "b": jnp.asarray(rng.normal(size=(layers, width))),
+    }
+    x = jnp.asarray(rng.normal(size=(16, width)))
+    x = {"x": x, "n": jnp.arange(16)} if with_int else x
+    key = jax.random.key(1) if keyed else None
+    body = jax.checkpoint(layered) if remat else layered
+
+    def stage(given, x):
+        return body(given[0], x, given[1])
+
+    given = (params, key)
+    y, saved, pullback = forward(stage, given, x)
+    cotangent = jax.tree.map(
+        lambda v: (
+            v
+            if jnp.issubdtype(v.dtype, jnp.inexact)
+            else np.zeros(v.shape, jax.dtypes.float0)
+        ),
+        y,
+    )
+    leaves, tree = jax.tree.flatten((given, saved, cotangent))
+
+    def flat(*leaves):
+        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
+
+    handed = len(jax.tree.leaves(cotangent))
+    num_dx = len(jax.tree.leaves(backward(pullback, given, saved, cotangent)[1]))
+    split = split_backward(flat, leaves, num_dx, handed)
+    dx, boundary = jax.jit(lambda *a: input_part(split, a))(*leaves)
+    args = [*leaves[: len(leaves) - handed], *[None] * handed]
+    weights = jax.jit(lambda b: weight_part(split, args, b))(boundary)
+    expected = flat(*leaves)
+    chex.assert_trees_all_close(
+        [w for w in weights + dx if w.dtype != jax.dtypes.float0],
+        [e for e in expected if e.dtype != jax.dtypes.float0],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+    def flops(fun, *args):
+        return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
+
+    forward_flops = flops(lambda g, x: forward(stage, g, x)[:2], given, x)
+    w_flops = flops(lambda b: weight_part(split, args, b), boundary)
+    assert w_flops <= 1.2 * forward_flops, (w_flops, forward_flops)
 
 
 def test_zero_bubble_window_is_the_integer_programs_optimum():

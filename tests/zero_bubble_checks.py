@@ -42,6 +42,11 @@ from pipeline_checks import (
 
 from jaxaccum._pipeline._1f1b_tick import backward, forward
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
+from jaxaccum._pipeline._zero_bubble_split import (
+    input_part,
+    split_backward,
+    weight_part,
+)
 
 SCHEDULE = "zero-bubble"
 
@@ -129,8 +134,9 @@ def slot_flops(remat: bool) -> dict[str, float]:
     """FLOPs of each slot's stage work as the schedules build it (the
     wide model's stage, one micro-batch of WIDE_ROWS rows), compiled alone:
     the forward (its residuals saved), 1F1B's backward (the pullback whole),
-    zero-bubble's B (the input's cotangent: the parameters' part dropped)
-    and W (the parameters' gradient: the input's part dropped)."""
+    zero-bubble's B and W (the backward split at its jaxpr), and the
+    pullback with its input's cotangent dropped (what W would cost
+    without the split: the same for one layer, 2 L - 1 layers' for L)."""
     rng = np.random.default_rng(0)
     params = {"w": normal(rng, (WIDE, WIDE)), "b": jnp.zeros(WIDE)}
     x = normal(rng, (WIDE_ROWS, WIDE))
@@ -145,15 +151,21 @@ def slot_flops(remat: bool) -> dict[str, float]:
     def flops(fun, *args):
         return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
 
+    leaves, tree = jax.tree.flatten((given, saved, y))
+
+    def flat(*leaves):
+        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
+
+    split = split_backward(flat, leaves, 1, 1)
+    boundary = input_part(split, leaves)[1]
     return {
         "forward": flops(lambda g, x: forward(stage, g, x)[:2], given, x),
         "backward_1f1b": flops(
             lambda g, s, c: backward(pullback, g, s, c), given, saved, y
         ),
-        "input_b": flops(
-            lambda g, s, c: backward(pullback, g, s, c)[1], given, saved, y
-        ),
-        "weight_w": flops(
+        "input_b": flops(lambda *a: input_part(split, a), *leaves),
+        "weight_w": flops(lambda a, b: weight_part(split, a, b), leaves, boundary),
+        "weight_dropped_input": flops(
             lambda g, s, c: backward(pullback, g, s, c)[0][0], given, saved, y
         ),
     }
@@ -161,12 +173,14 @@ def slot_flops(remat: bool) -> dict[str, float]:
 
 def check_memory_and_slots():
     """At S = 4: temporaries per device (memory_analysis, in activations)
-    flat in M (8 S within 1.25x of 2 S), 1F1B's and the stored cotangents'
-    ring of K slots (the issue's 1.25x of 1F1B's is not met at K = 2 S - 1:
-    1.31x, 1.61x with remat; benchmarks/pipeline.py trades window for fewer
-    slots), with and without remat; each slot's FLOPs against the forward's
+    flat in M (8 S within 1.25x of 2 S), 1F1B's and the stored boundaries'
+    ring of K slots (one activation a slot for this one-layer stage; the
+    issue's 1.25x of 1F1B's is not met at K = 2 S - 1: 1.28x, 1.61x with
+    remat; benchmarks/pipeline.py trades window for fewer slots), with and
+    without remat; each slot's FLOPs against the forward's
     (B and W each about a forward without remat, their sum 1F1B's
-    backward); the whole program's FLOPs against 1F1B's: its loop ticks
+    backward; with remat B recomputes the forward and W reads what it
+    recomputed); the whole program's FLOPs against 1F1B's: its loop ticks
     hold the same work, the appended ticks' W's added (XLA counts every
     slot's conditional, skipped or not)."""
     stages, temps = 4, {}

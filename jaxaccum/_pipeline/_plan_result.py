@@ -97,10 +97,9 @@ def efficiency(schedule: Schedule, remat: Remat, recompute: float) -> float:
     two; an upper bound for a checkpoint policy). GPipe computes its bubbles
     on masked inputs, ``3 (M R + S - 1)``; 1F1B skips its bubbles' slots,
     ``3 (M + S - 1)`` too (the schedules differ in memory); zero-bubble's
-    window is shorter, and its remat recomputes the forward in both halves
-    of the backward (:attr:`Schedule.remat_forwards`)."""
+    window is shorter (its W slots deferred into idle ones)."""
     useful = schedule.useful_work / schedule.modeled_window()
-    return useful / (1 + (recompute * schedule.remat_forwards if remat else 0.0))
+    return useful / (1 + (recompute if remat else 0.0))
 
 
 def _name(remat: Remat) -> str:

@@ -51,9 +51,6 @@ class Schedule(abc.ABC):
     """
 
     name: ClassVar[str]
-    # The forward passes ``remat`` recomputes per backward: one, or one in
-    # each slot a split backward runs in (zero-bubble's B and W).
-    remat_forwards: ClassVar[int] = 1
     num_stages: int
     num_microbatches: int
     repeats: int = 1

@@ -2,9 +2,11 @@
 Parallelism", ICLR 2024; the lockstep form of their ZB-H1): 1F1B's forward
 and backward slots at 1F1B's ticks, with the same neighbour permutes, but
 the backward slot computes only the stage input's cotangent (B, the one the
-stage before waits for) and stores the cotangent it was handed in a second
-ring beside 1F1B's residual ring. A third slot per tick, W, computes one
-micro-batch's stage parameter gradient from the two rings; the W table
+stage before waits for: its half of the stage's backward, split at the
+jaxpr by ``_zero_bubble_split``) and stores what the other half reads (the
+boundary: the cotangents inside the stage) in a second ring beside 1F1B's
+residual ring. A third slot per tick, W, computes one micro-batch's stage
+parameter gradient from the two rings; the W table
 (:func:`weight_table`, built when the step is traced) defers each W into a
 tick whose busiest device it does not lengthen, so the window's modeled
 time falls below 1F1B's ``3 (M + S - 1)``. The W's a device still owes when
@@ -67,15 +69,15 @@ class ZeroBubble(OneFOneB):
     its input part B (1F1B's backward slot) and its weight part W (a slot of
     its own, placed by :func:`weight_table`), then the ticks the W's still
     owed need. The activation memory is 1F1B's ring of ``K = min(2 S - 1,
-    M)`` residual slots and a ring as long of the stage outputs'
-    cotangents.
+    M)`` residual slots and a ring as long of B's boundaries (for a stage
+    of ``L`` dense layers, ``L`` activations a slot: the cotangent at each
+    layer's output; with remat also what B recomputed and W reads).
     ``repeats=1`` only."""
 
     name: ClassVar[str] = "zero-bubble"
-    # The most stored cotangents a device keeps (None: the ring's K, the
+    # The most stored boundaries a device keeps (None: the ring's K, the
     # least window); fewer cost window for memory (benchmarks/pipeline.py).
     max_stored: ClassVar[int | None] = None
-    remat_forwards: ClassVar[int] = 2
 
     @classmethod
     def check_repeats(cls, repeats: int) -> None:
@@ -89,7 +91,7 @@ class ZeroBubble(OneFOneB):
 
     @property
     def stored_size(self) -> int:
-        """The stored cotangents' slots: ``K``, or ``max_stored`` if fewer."""
+        """The stored boundaries' slots: ``K``, or ``max_stored`` if fewer."""
         return min(self.max_stored or self.ring_size, self.ring_size)
 
     def weight_table(self) -> np.ndarray:
