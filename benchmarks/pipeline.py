@@ -34,12 +34,23 @@ device): 1F1B's bubble slots skipped (``lax.cond``, the default) against
 computed on masked inputs and selected away, beside GPipe, at S = 4 x data =
 2, interleaved rounds, min / median / max milliseconds per window.
 
+And ``schedule="zero-bubble"`` at S = 4 x data = 2, M = S, 2S, 4S, 8S (its
+``zero_bubble`` key): its modeled window against 1F1B's and the asynchronous
+ZB-H1's, its loop's collectives, its FLOPs against 1F1B's, its temporaries
+with and without remat (beside the rows' 1F1B ones), each slot's FLOPs
+against a forward's, and at M = 2S and 8S the window and temporaries with
+fewer stored cotangents (``ZeroBubble.max_stored``).
+
 Run: ``python benchmarks/pipeline.py``; writes ``benchmarks/results/pipeline.json``
-and prints a table.
+and prints a table. ``python benchmarks/pipeline.py --zero-bubble`` measures
+the zero-bubble key alone (a few minutes) and replaces it in that file.
 """
 
+import json
 import os
+import sys
 import time
+import unittest.mock
 
 # Before JAX starts its CPU backend (on first use, not at import).
 os.environ["XLA_FLAGS"] = (
@@ -49,14 +60,25 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import spread, write_json  # noqa: E402
+import numpy as np  # noqa: E402
+from common import RESULTS, spread, write_json  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
 import jaxaccum.testing  # noqa: E402
+from jaxaccum._pipeline._1f1b import OneFOneB  # noqa: E402
+from jaxaccum._pipeline._1f1b_tick import backward, forward  # noqa: E402
+from jaxaccum._pipeline._schedules import SCHEDULES as REGISTERED  # noqa: E402
 from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow  # noqa: E402
 from jaxaccum._pipeline._step import make_pipeline  # noqa: E402
+from jaxaccum._pipeline._zero_bubble import ZeroBubble  # noqa: E402
+from jaxaccum._pipeline._zero_bubble_split import (  # noqa: E402
+    input_part,
+    split_backward,
+    weight_part,
+)
+from jaxaccum.cli.harness import machine  # noqa: E402
 
 NUM_DEVICES = 8
 STAGES = (2, 4, 8)
@@ -338,10 +360,168 @@ def print_trade(trade: dict, timing: dict) -> None:
         )
 
 
+ZERO_BUBBLE_STAGES = 4
+ZERO_BUBBLE_MICROBATCHES = (4, 8, 16, 32)  # S, 2S, 4S, 8S
+STORED_SLOTS = (1, 2, 3, 4, 5, 7)  # max_stored at S = 4 (K = 7: its default)
+
+
+def zero_bubble_slot_flops(remat: bool) -> dict:
+    """Each slot's FLOPs (``cost_analysis``) against the forward's, one
+    stage of this model on one micro-batch, compiled alone as the slots run
+    it: the forward (its residuals saved), 1F1B's backward (the pullback
+    whole), zero-bubble's B and W (the backward split at its jaxpr), the
+    pullback with its input's cotangent dropped (W without the split), and
+    the boundary B stores for W, in activations."""
+    params, batch = model(1, ROWS)
+    stage = jax.tree.map(lambda p: p[0], params[1])
+    body = jax.checkpoint(stage_fn) if remat else stage_fn
+    x = embed_fn(params[0], batch)
+    y, saved, pullback = forward(lambda g, x: body(g[0], x), (stage, None), x)
+
+    def cost(fun, *args):
+        return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
+
+    given = (stage, None)
+    leaves, tree = jax.tree.flatten((given, saved, y))
+
+    def flat(*leaves):
+        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
+
+    split = split_backward(flat, leaves, 1, 1)
+    boundary = input_part(split, leaves)[1]
+    flops_of = {
+        "forward": cost(
+            lambda g, x: forward(lambda g, x: body(g[0], x), g, x)[:2], given, x
+        ),
+        "backward_1f1b": cost(
+            lambda g, s, c: backward(pullback, g, s, c), given, saved, y
+        ),
+        "input_b": cost(lambda *a: input_part(split, a), *leaves),
+        "weight_w": cost(lambda a, b: weight_part(split, a, b), leaves, boundary),
+        "weight_dropped_input": cost(
+            lambda g, s, c: backward(pullback, g, s, c)[0][0], given, saved, y
+        ),
+    }
+    ratios = {name: value / flops_of["forward"] for name, value in flops_of.items()}
+    return {**ratios, "boundary_activations": sum(b.size for b in boundary) / y.size}
+
+
+def zero_bubble_row(num: int, stored: int | None = None) -> dict:
+    """``schedule="zero-bubble"`` at S = 4 x data = 2 and ``num``: the
+    modeled windows, the loop's collectives, FLOPs against 1F1B's and
+    temporaries (with and without remat); with ``stored``, at most that
+    many stored cotangents (``ZeroBubble.max_stored``; FLOPs not taken)."""
+    num_stages = ZERO_BUBBLE_STAGES
+    mesh = jax.make_mesh((num_stages, NUM_DEVICES // num_stages), ("stage", "data"))
+    params, batch = model(num_stages, ROWS * num * (NUM_DEVICES // num_stages))
+    capped = type("Capped", (ZeroBubble,), {"max_stored": stored})
+    schedule = capped(num_stages, num)
+    one = OneFOneB(num_stages, num).modeled_window()
+    activation, ratio = ROWS * WIDTH * 4, None
+    with unittest.mock.patch.dict(REGISTERED, {"zero-bubble": capped}):
+        compiled = {
+            remat: compile_step(
+                mesh, num, params, batch, remat=remat, schedule="zero-bubble"
+            )
+            for remat in (False, True)
+        }
+        if stored is None:  # the default's FLOPs, against 1F1B's
+            unrolled = compile_step(
+                mesh, num, params, batch, unroll=True, schedule="zero-bubble"
+            )
+            one_f_one_b = compile_step(
+                mesh, num, params, batch, unroll=True, schedule="1f1b"
+            )
+            ratio = flops(unrolled) / flops(one_f_one_b)
+    return {
+        "stored_slots": schedule.stored_size,
+        "ring_slots": schedule.ring_size,
+        "loop_ticks": schedule.loop_ticks,
+        "appended_ticks": schedule.num_ticks - schedule.loop_ticks,
+        "modeled_window": schedule.modeled_window(),
+        "one_f_one_b_window": one,
+        "async_zb_h1_window": 3.0 * num + num_stages - 1,
+        "ratio_to_1f1b": schedule.modeled_window() / one,
+        "async_ratio_to_1f1b": (3.0 * num + num_stages - 1) / one,
+        "flops_over_1f1b": ratio,
+        "flops_formula": 1
+        + (schedule.num_ticks - schedule.loop_ticks) / (3 * schedule.loop_ticks),
+        "collectives": collectives(compiled[False]),
+        "temp_activations": compiled[False].memory_analysis().temp_size_in_bytes
+        / activation,
+        "temp_activations_remat": compiled[True].memory_analysis().temp_size_in_bytes
+        / activation,
+    }
+
+
+def window_at_costs(num: int, costs: dict) -> dict:
+    """The modeled windows of 1F1B and zero-bubble at S = 4 with each slot
+    at its measured cost (``costs``: :func:`zero_bubble_slot_flops`) instead
+    of F = 1, B = 2 unsplit, B = W = 1 split."""
+    one = OneFOneB(ZERO_BUBBLE_STAGES, num)
+    busy = one.busy_table()
+    forward_slots, backward_slots = busy % 2 == 1, busy >= 2
+    zero_bubble = ZeroBubble(ZERO_BUBBLE_STAGES, num)
+    pad = ((0, 0), (0, zero_bubble.num_ticks - one.num_ticks))
+    split = (
+        np.pad(forward_slots * costs["forward"], pad)
+        + np.pad(backward_slots * costs["input_b"], pad)
+        + (zero_bubble.weight_table() >= 0) * costs["weight_w"]
+    )
+    unsplit = forward_slots * costs["forward"] + backward_slots * costs["backward_1f1b"]
+    windows = {
+        "one_f_one_b": float(unsplit.max(axis=0).sum()),
+        "zero_bubble": float(split.max(axis=0).sum()),
+    }
+    return {**windows, "ratio": windows["zero_bubble"] / windows["one_f_one_b"]}
+
+
+def zero_bubble_section() -> dict:
+    """Zero-bubble's figures: per M its row (the default, K stored
+    cotangents), the slots' FLOPs, and at M = 2 S and 8 S the trade of
+    stored cotangents for window."""
+    rows = {f"M{num}": zero_bubble_row(num) for num in ZERO_BUBBLE_MICROBATCHES}
+    capped = {
+        f"M{num}_stored{stored}": zero_bubble_row(num, stored)
+        for num in (8, 32)
+        for stored in STORED_SLOTS[:-1]
+    }
+    slots = {
+        "plain": zero_bubble_slot_flops(False),
+        "remat": zero_bubble_slot_flops(True),
+    }
+    return {
+        "stages": ZERO_BUBBLE_STAGES,
+        "data_shards": NUM_DEVICES // ZERO_BUBBLE_STAGES,
+        "rows": rows,
+        "stored": capped,
+        "slot_flops": slots,
+        "window_at_measured_costs": {
+            f"M{num}_{kind}": window_at_costs(num, costs)
+            for num in ZERO_BUBBLE_MICROBATCHES
+            for kind, costs in slots.items()
+        },
+    }
+
+
+def write_zero_bubble() -> None:
+    """Runs :func:`zero_bubble_section` alone: its key in pipeline.json
+    replaced, the other figures left as they were measured."""
+    path = RESULTS / "pipeline.json"
+    results = json.loads(path.read_text())
+    results["zero_bubble"] = {"machine": machine(), **zero_bubble_section()}
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    for name, row in results["zero_bubble"]["rows"].items():
+        print(name, {k: v for k, v in row.items() if k != "collectives"})
+
+
 def main() -> None:
     assert jax.device_count() == NUM_DEVICES, (
         f"{jax.device_count()} devices: XLA_FLAGS was applied too late"
     )
+    if "--zero-bubble" in sys.argv:
+        write_zero_bubble()
+        return
     timing = bubble_timing()  # first, on a quiet machine
     rows = [
         measure(num_stages, factor * num_stages)
@@ -361,6 +541,7 @@ def main() -> None:
             "nested_steps": NESTED_STEPS,
             "rows": by_name(rows),
             "trade": trade(rows),
+            "zero_bubble": zero_bubble_section(),
             "bubble_timing": {
                 "stages": TIMED_STAGES,
                 "data_shards": NUM_DEVICES // TIMED_STAGES,

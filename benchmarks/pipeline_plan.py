@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from pipeline import embed_fn, loss_fn, model, stage_fn  # noqa: E402
 
 import jaxaccum  # noqa: E402
+from jaxaccum._pipeline._schedules import SCHEDULES as REGISTERED  # noqa: E402
 from jaxaccum.cli import models  # noqa: E402
 
 NUM_BUDGETS = 7
@@ -139,7 +140,7 @@ def evaluate(task) -> dict:
     first = None
     num_stages = task[1].shape["stage"]
     candidates = [num_stages * 2**k for k in range(5)]
-    schedules = ("gpipe",) if task[5].get("repeats", 1) > 1 else ("gpipe", "1f1b")
+    schedules = ("gpipe",) if task[5].get("repeats", 1) > 1 else tuple(REGISTERED)
     for schedule, remat, num in itertools.product(schedules, (False, True), candidates):
         one = plan_for(
             task,

@@ -34,7 +34,7 @@ AuxReduction = Literal["mean", "sum", "stack", "concat", "last"]
 # micro-batch; "auto" picks per leaf (see shard_value_and_grad).
 ShardMode = Literal["auto", "window", "microbatch"]
 # The pipeline's schedules (docs/guides/pipeline.md).
-ScheduleName = Literal["gpipe", "1f1b"]
+ScheduleName = Literal["gpipe", "1f1b", "zero-bubble"]
 ArgNums = int | Sequence[int]
 # ``True`` (or ``False``/``None``) or a ``jax.checkpoint`` policy.
 Remat = bool | Callable[..., bool] | None

@@ -140,6 +140,10 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/test_pipeline.py::test_pipeline_on_8_devices[1f1b_exact_matrix]",
         "tests/test_pipeline.py::test_pipeline_on_8_devices[1f1b_float64]",
     ),
+    "pipeline zero-bubble: the sequential model's sums on every mesh, float64": (
+        "tests/test_pipeline.py::test_pipeline_on_8_devices[zero_bubble_exact_matrix]",
+        "tests/test_pipeline.py::test_pipeline_on_8_devices[zero_bubble_float64]",
+    ),
     "noise scale: window statistics and their estimates": (
         "tests/test_noise_scale.py::test_window_stats_equal_those_of_the_micro_batches_mean_gradients[weighted-True]",
         "tests/test_noise_scale.py::test_window_stats_equal_those_of_the_micro_batches_mean_gradients[mean-False]",

@@ -88,7 +88,20 @@ ONE_F_ONE_B = (
     ("stage2_fsdp4_M4", (2, 4), ("stage", "fsdp"), "fsdp", 4, 1),
     ("stage2_fsdp4_M8", (2, 4), ("stage", "fsdp"), "fsdp", 8, 1),
 )
-EXACT_BY_NAME = {case[0]: case for case in (*EXACT, *ONE_F_ONE_B)}
+# schedule="zero-bubble" (R = 1): M = 1, S - 1, S, 2 S - 1, 4 S (M = 7 and
+# 3: not multiples of S) over the three meshes (zero_bubble_checks.py).
+ZERO_BUBBLE = (
+    ("stage8_M7", (8,), ("stage",), None, 7, 1),
+    ("stage8_M32", (8,), ("stage",), None, 32, 1),
+    ("stage4_data2_M1", (4, 2), ("stage", "data"), "data", 1, 1),
+    ("stage4_data2_M4", (4, 2), ("stage", "data"), "data", 4, 1),
+    ("stage4_data2_M7", (4, 2), ("stage", "data"), "data", 7, 1),
+    ("stage4_data2_M16", (4, 2), ("stage", "data"), "data", 16, 1),
+    ("stage2_fsdp4_M1", (2, 4), ("stage", "fsdp"), "fsdp", 1, 1),
+    ("stage2_fsdp4_M3", (2, 4), ("stage", "fsdp"), "fsdp", 3, 1),
+    ("stage2_fsdp4_M8", (2, 4), ("stage", "fsdp"), "fsdp", 8, 1),
+)
+EXACT_BY_NAME = {case[0]: case for case in (*EXACT, *ONE_F_ONE_B, *ZERO_BUBBLE)}
 AUTO = "stage4_data2_M4_R2"
 
 CHECKS = [
@@ -116,6 +129,16 @@ CHECKS = [
     "1f1b_report_stats",
     "1f1b_memory_flat_in_M",
     "1f1b_flops",
+    "zero_bubble_exact_matrix",
+    "zero_bubble_float64",
+    "zero_bubble_nan_bubbles_skipped_and_masked",
+    "zero_bubble_weighted_aux_keys",
+    "zero_bubble_sum_reduction",
+    "zero_bubble_bfloat16_stage_params",
+    "zero_bubble_loss_scale",
+    "zero_bubble_report_stats",
+    "zero_bubble_drawn_options_agree",
+    "zero_bubble_memory_and_slots",
 ]
 
 
@@ -204,7 +227,7 @@ class Case:
 
     @property
     def ticks(self):
-        if self.schedule == "1f1b":
+        if self.schedule in ("1f1b", "zero-bubble"):  # the loop's: permutes
             return self.num_microbatches + 2 * (self.num_stages - 1)
         return self.num_microbatches * self.repeats + self.num_stages - 1
 
@@ -464,7 +487,7 @@ def check_weighted_aux_keys(schedule="gpipe"):
     key = jax.random.key(7)
     details = []
     layouts = (((4, 2), 1, None), ((2, 2), 2, jax.devices()[:4]))
-    for shape, repeats, devices in layouts[: 1 if schedule == "1f1b" else 2]:
+    for shape, repeats, devices in layouts[: 2 if schedule == "gpipe" else 1]:
         mesh = jax.make_mesh(shape, ("stage", "data"), devices=devices)
         num = 4
         params = make_params(4)
@@ -900,7 +923,8 @@ def check_plan_pipeline():
         data_axis="data",
     )
     table = {}
-    for schedule, num in itertools.product(("gpipe", "1f1b"), (4, 8, 16)):
+    schedules = ("gpipe", "1f1b", "zero-bubble")
+    for schedule, num in itertools.product(schedules, (4, 8, 16)):
         one = plan(
             memory_budget=2**40, candidates=[num], schedule=schedule, remat=False
         )
@@ -976,6 +1000,14 @@ def temp_bytes(case, **options):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@functools.cache
+def wide_temps(kind: str, remat: bool, stages: int, num: int) -> float:
+    """Per-device temporaries of the wide model's step, in activations
+    (compiled once a process: the 1F1B and zero-bubble checks share them)."""
+    case = dataclasses.replace(wide_case(stages, num), schedule=kind)
+    return temp_bytes(case, remat=remat) / (WIDE_ROWS * WIDE * 4)
+
+
 def check_one_f_one_b_memory():
     """Temporaries per device (memory_analysis), in activations, at S = 4.
     1F1B keeps at most min(2 S - 1, M) micro-batches' stage inputs (remat)
@@ -985,13 +1017,12 @@ def check_one_f_one_b_memory():
     are under half of GPipe with remat's (the issue's bar; GPipe grows by
     about 5 per micro-batch, check_memory). Exactness with remat: the
     one-device property tests draw it."""
-    stages, activation = 4, WIDE_ROWS * WIDE * 4
+    stages = 4
     sizes = (stages, 2 * stages, 4 * stages, 8 * stages)
     big, temps = sizes[-1], {}
 
     def temps_at(kind: str, remat: bool, num: int) -> float:
-        case = dataclasses.replace(wide_case(stages, num), schedule=kind)
-        temps[kind, remat, num] = temp_bytes(case, remat=remat) / activation
+        temps[kind, remat, num] = wide_temps(kind, remat, stages, num)
         return temps[kind, remat, num]
 
     rematted = [temps_at("1f1b", True, num) for num in sizes]
@@ -1051,6 +1082,10 @@ def _run(name):
         return check_exact(name.removeprefix("auto_mesh_"), AxisType.Auto)
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"))
+    if name.startswith("zero_bubble_"):
+        import zero_bubble_checks  # noqa: PLC0415 (it imports this module)
+
+        return zero_bubble_checks.run(name.removeprefix("zero_bubble_"))
     checks = {
         "nan_bubble_fill_R2": lambda: check_nan(float("nan"), stage_fn),
         "nan_on_zero_input_stage": lambda: check_nan(0.0, nan_at_zero_stage),

@@ -14,6 +14,8 @@ one stage, and the errors bad input gets.
 import contextlib
 import functools
 import itertools
+import json
+import pathlib
 import unittest.mock
 from typing import Any, NamedTuple
 
@@ -36,10 +38,24 @@ from pipeline_checks import stage_fn as dense
 import jaxaccum
 from jaxaccum import pipeline_value_and_grad
 from jaxaccum._pipeline._1f1b import OneFOneB
+from jaxaccum._pipeline._1f1b_tick import backward, forward
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on
 from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow
+from jaxaccum._pipeline._zero_bubble import ZeroBubble
+from jaxaccum._pipeline._zero_bubble_split import (
+    input_part,
+    split_backward,
+    weight_part,
+)
+
+ZERO_BUBBLE_RESULTS = (
+    pathlib.Path(__file__).parents[1]
+    / "benchmarks"
+    / "results"
+    / "pipeline_zero_bubble.json"
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +177,14 @@ def window_reference(params, batch, reduction, key=None, layers=1):
     remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
     stats=st.booleans(),
     by_size=st.booleans(),
-    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble"]),
 )
 def test_options_against_the_window_reference(
     repeats, reduction, with_key, remat, stats, by_size, schedule
 ):
     """Every combination of repeats, reduction (with aux), keys, remat,
-    report_stats, M given as a count or a size and the schedule (1F1B at
-    R = 1) equals the micro-batch-by-micro-batch reference (RTOL of
+    report_stats, M given as a count or a size and the schedule (1F1B and
+    zero-bubble at R = 1) equals the micro-batch-by-micro-batch reference (RTOL of
     pipeline_checks.py: the same sums in another order)."""
     assume(schedule == "gpipe" or repeats == 1)
     params, batch = one_device_case(repeats)
@@ -345,6 +361,10 @@ def test_a_weighted_loss_that_is_not_a_pair():
         ({"data_axis": "stage"}, "both 'stage'"),
         ({"schedule": "zb"}, "schedule must be one of"),
         ({"schedule": "1f1b", "repeats": 2}, r"interleaved 1F1B\) is not built"),
+        (
+            {"schedule": "zero-bubble", "repeats": 2},
+            r"schedule='zero-bubble' with repeats=2 is not built",
+        ),
     ],
 )
 def test_bad_options_fail_at_construction(options, match):
@@ -373,7 +393,7 @@ def test_what_a_pipeline_cannot_do_is_refused_with_why(option):
         build(**option)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
 def test_report_finite_names_the_micro_batch(schedule):
     """``report_finite``: micro-batch k (rows k, k + M, ...) is not finite
     exactly where one of its rows is inf; a clean window is finite."""
@@ -465,6 +485,123 @@ def test_the_modeled_window_is_the_asynchronous_schedules(stages, num, repeats):
     )
     if repeats == 1:
         assert OneFOneB(stages, num).modeled_window() == 3 * (num + stages - 1)
+        # Zero-bubble (B = W = 1): between the asynchronous ZB-H1 and 1F1B.
+        window = ZeroBubble(stages, num).modeled_window()
+        assert 3 * num + stages - 1 <= window <= 3 * (num + stages - 1)
+        assert window < 3 * (num + stages - 1) or stages == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(stages=st.integers(1, 8), num=st.integers(1, 20), stored=st.integers(1, 15))
+def test_zero_bubble_runs_each_w_once_after_its_b_before_its_slots_are_reused(
+    stages, num, stored
+):
+    """Zero-bubble's W table: each device runs each micro-batch's W once, one
+    a tick, in the tick of its B (1F1B's backward slot) or later, and before
+    its slots are written again: its residual slot by the forward of
+    micro-batch m + K, its stored cotangent's by the B of m + stored (in
+    the tick, the forward and the B run before the W)."""
+    schedule = type("Capped", (ZeroBubble,), {"max_stored": stored})(stages, num)
+    table, size = schedule.weight_table(), schedule.ring_size
+    kept = schedule.stored_size
+    assert kept == min(stored, size)
+    for device in range(stages):
+        row = table[device]
+        ticks = {int(m): t for t, m in enumerate(row) if m >= 0}
+        assert sorted(ticks) == list(range(num)) and (row >= 0).sum() == num
+        for micro, tick in ticks.items():
+            backward = micro + 2 * (stages - 1) - device
+            assert tick >= backward, (device, micro, tick)
+            if micro + size < num:
+                assert tick < micro + size + device, (device, micro, tick)
+            if micro + kept < num:
+                assert tick < backward + kept, (device, micro, tick)
+    assert table.shape[1] >= schedule.loop_ticks
+
+
+def layered(params, x, key=None):
+    """``dense`` applied once per layer of ``params`` (``(L, ...)``), with
+    an integer leaf riding along and, given a key, dropout-like noise."""
+    h = x["x"] if isinstance(x, dict) else x
+    for layer in range(params["w"].shape[0]):
+        h = jnp.tanh(h @ params["w"][layer] + params["b"][layer])
+        if key is not None:
+            h = h * jax.random.bernoulli(jax.random.fold_in(key, layer), 0.9, h.shape)
+    return {**x, "x": h} if isinstance(x, dict) else h
+
+
+@pytest.mark.parametrize(
+    "layers, remat, keyed, with_int",
+    [(1, False, False, False), (3, False, True, True), (2, True, False, True)],
+)
+def test_the_split_backward_is_the_pullback_and_w_does_not_redo_b(
+    layers, remat, keyed, with_int
+):
+    """Zero-bubble's B and W halves (the stage's backward split at its
+    jaxpr) give the pullback's input and parameter cotangents, and W costs
+    a layer's backward per layer (about the forward's FLOPs), not the
+    ``2 L - 1`` a pullback with its input's cotangent dropped redoes."""
+    rng = np.random.default_rng(0)
+    width = 32
+    params = {
+        "w": jnp.asarray(rng.normal(size=(layers, width, width)) / width**0.5),
+        "b": jnp.asarray(rng.normal(size=(layers, width))),
+    }
+    x = jnp.asarray(rng.normal(size=(16, width)))
+    x = {"x": x, "n": jnp.arange(16)} if with_int else x
+    key = jax.random.key(1) if keyed else None
+    body = jax.checkpoint(layered) if remat else layered
+
+    def stage(given, x):
+        return body(given[0], x, given[1])
+
+    given = (params, key)
+    y, saved, pullback = forward(stage, given, x)
+    cotangent = jax.tree.map(
+        lambda v: (
+            v
+            if jnp.issubdtype(v.dtype, jnp.inexact)
+            else np.zeros(v.shape, jax.dtypes.float0)
+        ),
+        y,
+    )
+    leaves, tree = jax.tree.flatten((given, saved, cotangent))
+
+    def flat(*leaves):
+        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
+
+    handed = len(jax.tree.leaves(cotangent))
+    num_dx = len(jax.tree.leaves(backward(pullback, given, saved, cotangent)[1]))
+    split = split_backward(flat, leaves, num_dx, handed)
+    dx, boundary = jax.jit(lambda *a: input_part(split, a))(*leaves)
+    args = [*leaves[: len(leaves) - handed], *[None] * handed]
+    weights = jax.jit(lambda b: weight_part(split, args, b))(boundary)
+    expected = flat(*leaves)
+    chex.assert_trees_all_close(
+        [w for w in weights + dx if w.dtype != jax.dtypes.float0],
+        [e for e in expected if e.dtype != jax.dtypes.float0],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+    def flops(fun, *args):
+        return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
+
+    forward_flops = flops(lambda g, x: forward(stage, g, x)[:2], given, x)
+    w_flops = flops(lambda b: weight_part(split, args, b), boundary)
+    assert w_flops <= 1.2 * forward_flops, (w_flops, forward_flops)
+
+
+def test_zero_bubble_window_is_the_integer_programs_optimum():
+    """With one W slot a tick, the greedy W table's modeled window equals
+    the integer program's optimum (benchmarks/pipeline_zero_bubble.py, its
+    committed rows for S = 2, 4, 8)."""
+    rows = json.loads(ZERO_BUBBLE_RESULTS.read_text())["rows"]
+    assert len(rows) >= 15
+    for row in rows.values():
+        schedule = ZeroBubble(row["stages"], row["num_microbatches"])
+        optimum = row["one_slot"]["zero_bubble_window"]
+        assert schedule.modeled_window() == optimum, (row, schedule.modeled_window())
 
 
 @settings(max_examples=40, deadline=None)
@@ -479,14 +616,18 @@ def test_each_schedules_gradient_table_is_the_slot_that_computes_it(
 ):
     """The statistics read which micro-batch a stage's gradient comes from
     at each tick off the schedule's own table: GPipe's forward slot (autodiff
-    differentiates the tick that ran it), 1F1B's backward slot."""
+    differentiates the tick that ran it), 1F1B's backward slot, zero-bubble's
+    W slot."""
     if not builds(name, repeats) or (repeats > 1 and num < stages):
         return
     schedule = SCHEDULES[name](stages, num, repeats)
     table = schedule.stage_gradient_table()
     assert table.shape == (stages, schedule.num_ticks, num)
     for tick, device in itertools.product(range(schedule.num_ticks), range(stages)):
-        if isinstance(schedule, OneFOneB):
+        if isinstance(schedule, ZeroBubble):
+            micro = int(schedule.weight_table()[device, tick])
+            valid = micro >= 0
+        elif isinstance(schedule, OneFOneB):
             valid, micro = schedule.backward_at(jnp.int32(tick), jnp.int32(device))
         else:
             at = schedule.at(jnp.int32(tick), jnp.int32(device))
@@ -876,7 +1017,7 @@ PIPELINE_CHOICES = {
     "report": [None, "report_stats", "report_finite"],
     "scale_exponent": [None, 0, 64, 80],
     "repeats": [1, 2],
-    "schedule": ["gpipe", "1f1b"],
+    "schedule": ["gpipe", "1f1b", "zero-bubble"],
     "loss_dtype": [jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_],
 }
 PIPELINE_OPTIONS = {name: st.sampled_from(v) for name, v in PIPELINE_CHOICES.items()}
@@ -935,6 +1076,15 @@ EXAMPLE = {  # every option at its first value, then each issue-45 case
 )
 @example(**{**EXAMPLE, "loss_dtype": jnp.int32})  # issue 55, case 1
 @example(**{**EXAMPLE, "loss_dtype": jnp.bool_, "schedule": "1f1b"})
+@example(
+    **{
+        **EXAMPLE,
+        "schedule": "zero-bubble",
+        "reduction": "weighted",
+        "report": "report_stats",
+        "scale_exponent": 64,
+    }
+)
 @example(
     **{**EXAMPLE, "loss_dtype": jnp.bfloat16, "reduction": "weighted", "repeats": 2}
 )
@@ -1035,9 +1185,9 @@ def test_pipeline_options_drawn_against_the_sequential_model(
 @functools.cache
 def exhaustive_footprints(repeats: int) -> dict:
     """Every (schedule, remat, M)'s footprint and efficiency, each compiled
-    alone (1F1B with repeats=1 only)."""
+    alone (1F1B and zero-bubble with repeats=1 only)."""
     table = {}
-    schedules = ("gpipe", "1f1b") if repeats == 1 else ("gpipe",)
+    schedules = tuple(SCHEDULES) if repeats == 1 else ("gpipe",)
     for schedule, remat, num in itertools.product(schedules, (False, True), (2, 4, 8)):
         one = planned(
             candidates=[num],
@@ -1053,7 +1203,7 @@ def exhaustive_footprints(repeats: int) -> dict:
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(
     repeats=st.sampled_from([1, 2]),
-    schedule=st.sampled_from(["choose", "gpipe", "1f1b"]),
+    schedule=st.sampled_from(["choose", "gpipe", "1f1b", "zero-bubble"]),
     remat=st.sampled_from(["choose", False, True]),
     candidates=st.sampled_from([(2, 4, 8), (4, 8), (2, 8)]),
     budget_at=st.integers(0, 5),
@@ -1064,12 +1214,12 @@ def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
     """For drawn repeats, schedule and remat (chosen, or given), candidates
     and budgets (each a compiled footprint), the plan is the most efficient
     fitting configuration of the exhaustive table, with that footprint, and
-    on a tie of efficiencies GPipe's."""
-    assume(repeats == 1 or schedule != "1f1b")
+    on a tie of efficiencies the first registered (GPipe, 1F1B, zero-bubble)."""
+    assume(repeats == 1 or schedule in ("choose", "gpipe"))
     table = exhaustive_footprints(repeats)
     budget = sorted(f for f, _ in table.values())[budget_at]
     remats = (False, True) if remat == "choose" else (remat,)
-    schedules = ("gpipe", "1f1b") if schedule == "choose" else (schedule,)
+    schedules = tuple(SCHEDULES) if schedule == "choose" else (schedule,)
     fitting = {
         key: value
         for key, value in table.items()
@@ -1094,7 +1244,7 @@ def test_plan_pipeline_options_drawn_against_the_exhaustive_search(
     key = (plan.schedule, plan.remat, plan.num_microbatches)
     assert key in fitting and plan.footprint_bytes == fitting[key][0]
     ties = {k[0] for k, (_, e) in fitting.items() if e == best}
-    assert plan.schedule == ("gpipe" if "gpipe" in ties else "1f1b"), (plan, ties)
+    assert plan.schedule == next(n for n in SCHEDULES if n in ties), (plan, ties)
 
 
 # Malformed arguments to plan_pipeline (issue 55's cases 4 to 6 first): each
@@ -1138,7 +1288,10 @@ MALFORMED = {
     "num_microbatches": ({"num_microbatches": 4}, "do not pass num_microbatches"),
     "masked": ({"masked": True}, "plan_pipeline does not take masked"),
     "remat": ({"remat": "yes"}, "remat must be True, False"),
-    "schedule": ({"schedule": "1f2b"}, r"schedule must be one of \('gpipe', '1f1b'\)"),
+    "schedule": (
+        {"schedule": "1f2b"},
+        r"schedule must be one of \('gpipe', '1f1b', 'zero-bubble'\)",
+    ),
     "memory_budget": ({"memory_budget": "lots"}, "Cannot read memory_budget='lots'"),
     "reduction": ({"reduction": "avg"}, "reduction must be one of"),
 }
@@ -1152,7 +1305,7 @@ def no_compile(*_, **__):
 @given(
     malformed=st.sampled_from(list(MALFORMED)),
     repeats=st.sampled_from([1, 2]),
-    schedule=st.sampled_from([None, "gpipe", "1f1b"]),
+    schedule=st.sampled_from([None, "gpipe", "1f1b", "zero-bubble"]),
     remat=st.sampled_from([None, False, True]),
     abstract=st.booleans(),
 )
@@ -1171,7 +1324,7 @@ def test_plan_pipeline_refuses_drawn_malformed_arguments_before_compiling(
     with a message about calling the step; each drawn malformed argument,
     beside drawn valid options (given as arrays or shapes), is refused with
     its own message before anything compiles."""
-    assume(repeats == 1 or schedule != "1f1b")  # 1F1B: R = 1 (refused else)
+    assume(repeats == 1 or schedule in (None, "gpipe"))  # 1F1B, ZB: R = 1
     params, micro = make_params(repeats), make_batch(64)
     bad, message = MALFORMED[malformed]
     arguments = {

@@ -14,6 +14,7 @@ accumulate in the carry and are reduced once, after the loop."""
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -112,6 +113,10 @@ class OneFOneB(Schedule):
         ticks = np.arange(self.num_ticks)[None, :]
         return self._table(ticks - 2 * self.lag + np.arange(self.num_stages)[:, None])
 
+    def device_window(self) -> Callable[..., tuple]:
+        """One device's window under ``shard_map``: :func:`run_window`."""
+        return run_window
+
     def differentiate(
         self, run: Run, params: tuple, batch: Any, key: Any, loss_scale: Any
     ) -> Raw:
@@ -123,7 +128,7 @@ class OneFOneB(Schedule):
         options = run.options
         params, batch, key = run.laid_out(params, batch, key)
         window = run.per_device(
-            functools.partial(run_window, run.static(), run.skip_bubbles),
+            functools.partial(self.device_window(), run.static(), run.skip_bubbles),
             in_specs=(
                 run.params_specs(),
                 PartitionSpec(options.layout.data_axis),
@@ -145,7 +150,7 @@ class OneFOneB(Schedule):
         return Raw(sums, per_micro, grads, probes, share).unscaled(loss_scale)
 
 
-def _reduced(grads: tuple, fsdp_dims: tuple, options: PipelineWindow) -> tuple:
+def reduced(grads: tuple, fsdp_dims: tuple, options: PipelineWindow) -> tuple:
     """The gradients summed over the devices once: the embedding's and the
     head's over every axis (they arise on one stage), the stages' over the
     data axis; FSDP leaves reduce-scattered over it on their dimension."""
@@ -168,20 +173,20 @@ def _reduced(grads: tuple, fsdp_dims: tuple, options: PipelineWindow) -> tuple:
     )
 
 
-def _slots(like: jax.ShapeDtypeStruct, count: int) -> jax.Array:
+def ring_slots(like: jax.ShapeDtypeStruct, count: int) -> jax.Array:
     """``count`` zero slots for a residual shaped ``like`` (``jnp.zeros``
     takes a PRNG key dtype too: a stage may save keys it split)."""
     return jnp.zeros((count, *like.shape), like.dtype)
 
 
-def _initial(window: Window, shapes: Shapes) -> Carry:
+def initial_carry(window: Window, shapes: Shapes) -> Carry:
     """The carry before the first tick: fills, an empty ring, zero sums."""
     device = window.device
     given = stage_given(device, 0)
     saved = jax.eval_shape(
         lambda g, x: forward(stage_call(device), g, x)[1], given, device.fill
     )
-    ring = [_slots(s, ticks_of(device).ring_size) for s in saved]
+    ring = [ring_slots(s, ticks_of(device).ring_size) for s in saved]
     zero_grads = jax.tree.map(
         jnp.zeros_like, (device.embed, device.stages, device.head)
     )
@@ -217,14 +222,14 @@ def run_window(
     )
     carry, per_tick = lax.scan(
         functools.partial(one_tick, window),
-        _initial(window, shapes),
+        initial_carry(window, shapes),
         jnp.arange(schedule.num_ticks),
         unroll=options.unroll,
     )
-    return _results(carry, per_tick, ticks_of(device), static.fsdp_dims, options)
+    return window_results(carry, per_tick, ticks_of(device), static.fsdp_dims, options)
 
 
-def _results(carry: Carry, per_tick: tuple, schedule: OneFOneB, fsdp_dims, options):
+def window_results(carry: Any, per_tick: tuple, schedule: OneFOneB, fsdp_dims, options):
     """The loop's carry and per-tick outputs as :func:`run_window` returns
     them."""
     num, lag = schedule.num_microbatches, schedule.lag
@@ -236,5 +241,5 @@ def _results(carry: Carry, per_tick: tuple, schedule: OneFOneB, fsdp_dims, optio
     per_micro = LossOut(on(loss, lag), on(weight, lag), ())
     probes = Probes(on(embed_sq, 2 * lag), stage_sq.reshape(1, 1, -1), on(head_sq, lag))
     sums = lax.psum(carry.sums, options.layout.manual_axes)
-    grads = _reduced(carry.grads, fsdp_dims, options)
+    grads = reduced(carry.grads, fsdp_dims, options)
     return sums, per_micro, grads, probes

@@ -25,7 +25,7 @@ def ticks_of(device: Device) -> "OneFOneB":
     return cast("OneFOneB", device.schedule)
 
 
-class _Pullback(NamedTuple):
+class Pullback(NamedTuple):
     """How to rebuild a stage's pullback from its ring slot: the pullback's
     tree and, per leaf, the index of the ``(parameters, key)`` leaf it is
     (rebuilt from the backward's own), or -1 (saved in the ring)."""
@@ -34,7 +34,7 @@ class _Pullback(NamedTuple):
     where: tuple[int, ...]
 
 
-def forward(stage: Any, given: Any, x: Any) -> tuple[Any, list, _Pullback]:
+def forward(stage: Any, given: Any, x: Any) -> tuple[Any, list, Pullback]:
     """``stage(given, x)`` and its backward's residuals less ``given``'s
     leaves (the parameters and key: a ring slot would copy the stage's
     parameters), with how to rebuild the pullback."""
@@ -45,10 +45,10 @@ def forward(stage: Any, given: Any, x: Any) -> tuple[Any, list, _Pullback]:
         next((i for i, k in enumerate(known) if leaf is k), -1) for leaf in leaves
     )
     saved = [leaf for leaf, i in zip(leaves, where, strict=True) if i < 0]
-    return y, saved, _Pullback(treedef, where)
+    return y, saved, Pullback(treedef, where)
 
 
-def _backward(pullback: _Pullback, given: Any, saved: list, cotangent: Any):
+def backward(pullback: Pullback, given: Any, saved: list, cotangent: Any):
     """The cotangents of ``(given, x)`` from a ring slot's residuals."""
     known, rest = jax.tree.leaves(given), iter(saved)
     leaves = [known[i] if i >= 0 else next(rest) for i in pullback.where]
@@ -91,7 +91,7 @@ class Window(NamedTuple):
       skip: whether a bubble's stage slots are skipped (``lax.cond``) or
         computed on the fill and selected away.
       probed: whether the ticks take squared gradient norms.
-      pullback: the ring slots' :class:`_Pullback` (filled when traced).
+      pullback: the ring slots' :class:`Pullback` (filled when traced).
       share_dtype: the dtype of the shares (the loss sum's, at least
         float32).
     """
@@ -110,7 +110,7 @@ def floats(tree: Any) -> list:
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def _full_cotangent(like: Any, floats: list) -> Any:
+def full_cotangent(like: Any, floats: list) -> Any:
     """A cotangent for ``like``: ``floats`` in its inexact leaves, float0
     zeros in its integer and bool leaves."""
     rest = iter(floats)
@@ -123,14 +123,14 @@ def _full_cotangent(like: Any, floats: list) -> Any:
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
-def _added(total: Any, grad: Any, factor: Any) -> Any:
+def added(total: Any, grad: Any, factor: Any) -> Any:
     """``total + grad * factor`` leaf by leaf, in ``total``'s dtypes."""
     return jax.tree.map(
         lambda t, g: t + (g.astype(t.dtype) * factor).astype(t.dtype), total, grad
     )
 
 
-def _own_sq(window: Window, grad: Any, share: jax.Array) -> jax.Array:
+def own_sq(window: Window, grad: Any, share: jax.Array) -> jax.Array:
     """The squared norm of the loss's own gradient, from ``grad`` (at the
     micro-batch's share and the loss scale, divided out leaf by leaf before
     squaring; the share after, twice)."""
@@ -141,7 +141,7 @@ def _own_sq(window: Window, grad: Any, share: jax.Array) -> jax.Array:
     return sq.astype(jnp.float32)
 
 
-def _unshare(window: Window, share: jax.Array) -> jax.Array:
+def unshare(window: Window, share: jax.Array) -> jax.Array:
     """What a micro-batch's gradient at ``share`` is multiplied by as it
     accumulates: 1, or with ``"weighted"`` ``1 / share`` (the window's
     gradient of the loss sum, divided by the total weight after the loop,
@@ -162,7 +162,7 @@ def stage_call(device: Device):
     return lambda given, x: device.calls.bare_stage(given[0], 0, x, given[1])
 
 
-def _cond(device: Device, pred: Any, on_true, on_false, *operands: Any) -> Any:
+def device_cond(device: Device, pred: Any, on_true, on_false, *operands: Any) -> Any:
     """``lax.cond`` on this device's ``pred``, both branches' results typed
     varying over the manual axes (a branch's constant and the other's
     per-device value are one type)."""
@@ -175,14 +175,15 @@ def _cond(device: Device, pred: Any, on_true, on_false, *operands: Any) -> Any:
     )
 
 
-def _read(ring: list, slot: Any) -> list:
+def read_ring(ring: list, slot: Any) -> list:
     return [lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring]
 
 
-def _forward_slot(window: Window, carry: Carry, tick_index: Any):
+def forward_slot(window: Window, carry: Any, tick_index: Any):
     """The tick's forward slot: the stage on the micro-batch of ``tick -
     stage`` (embedded here on the first stage), its residuals written to the
-    ring. Returns the stage's output, the ring, and the micro-batch."""
+    ring (``carry``: a :class:`Carry`, or a schedule's with its fields).
+    Returns the stage's output, the ring, and the micro-batch."""
     device, schedule = window.device, window.device.schedule
     tick = schedule.at(tick_index, device.stage)
     layers = schedule.num_stages
@@ -192,11 +193,11 @@ def _forward_slot(window: Window, carry: Carry, tick_index: Any):
         key = microbatch_key(device, tick.microbatch, layers)
         return varying(device.calls.embed(device.embed, micro, key), axes_of(device))
 
-    entering = _cond(device, tick.enters, embed, lambda: device.fill)
+    entering = device_cond(device, tick.enters, embed, lambda: device.fill)
     x = select(device.stage == 0, entering, carry.incoming)
     x = select(tick.valid, x, device.fill)
     slot = tick.microbatch % ticks_of(device).ring_size
-    old = _read(carry.ring, slot)
+    old = read_ring(carry.ring, slot)
 
     def run(given, x):
         y, saved, pullback = forward(stage_call(device), given, x)
@@ -205,7 +206,7 @@ def _forward_slot(window: Window, carry: Carry, tick_index: Any):
 
     given = stage_given(device, tick.microbatch)
     if window.skip:
-        y, saved = _cond(
+        y, saved = device_cond(
             device, tick.valid, run, lambda *_: (device.fill, old), given, x
         )
     else:
@@ -222,7 +223,7 @@ def axes_of(device: Device) -> tuple[str, ...]:
     return device.options.layout.manual_axes
 
 
-def _loss_slot(window: Window, carry: Carry, y: Any, tick: Any):
+def loss_slot(window: Window, carry: Any, y: Any, tick: Any):
     """On the last stage, micro-batch ``tick.microbatch``'s loss and the
     start of its backward: the loss's ``jax.vjp`` seeded with its share
     (times the loss scale). Returns the carry's head gradient and sums, the
@@ -247,8 +248,8 @@ def _loss_slot(window: Window, carry: Carry, y: Any, tick: Any):
         )
         seed = share if window.scale is None else scale_loss(share, window.scale)
         grad, dy = pullback(varying(seed.astype(value.dtype), axes_of(device)))
-        sq = _own_sq(window, grad, share) if window.probed else zero
-        head_grad = _added(head_grad, grad, _unshare(window, share))
+        sq = own_sq(window, grad, share) if window.probed else zero
+        head_grad = added(head_grad, grad, unshare(window, share))
         sums = jax.tree.map(jnp.add, sums, out)
         return head_grad, sums, out, Message(floats(dy), share), sq
 
@@ -258,7 +259,7 @@ def _loss_slot(window: Window, carry: Carry, y: Any, tick: Any):
         return head_grad, sums, device.no_loss, message, zero
 
     last = tick.valid & (device.stage == schedule.num_stages - 1)
-    return _cond(device, last, take, idle, head_grad, sums, y)
+    return device_cond(device, last, take, idle, head_grad, sums, y)
 
 
 def _backward_slot(window: Window, carry: Carry, ring: list, message, t: Any):
@@ -269,22 +270,22 @@ def _backward_slot(window: Window, carry: Carry, ring: list, message, t: Any):
     device = window.device
     schedule = ticks_of(device)
     valid, index = schedule.backward_at(t, device.stage)
-    saved = _read(ring, index % schedule.ring_size)
+    saved = read_ring(ring, index % schedule.ring_size)
     embed_grad, stage_grad, head_grad = carry.grads
     zero = varying(jnp.zeros((), jnp.float32), axes_of(device))
     like = device.fill
 
     def run(stage_grad, saved, message):
         given = stage_given(device, index)
-        cotangent = _full_cotangent(like, message.cotangent)
-        (own_grad, _), dx = _backward(window.pullback[0], given, saved, cotangent)
+        cotangent = full_cotangent(like, message.cotangent)
+        (own_grad, _), dx = backward(window.pullback[0], given, saved, cotangent)
         grad = jax.tree.map(
             lambda g: g.astype(accum_dtype_for(g.dtype, device.options.accum_dtype)),
             own_grad,
         )
-        sq = _own_sq(window, grad, message.share) if window.probed else zero
+        sq = own_sq(window, grad, message.share) if window.probed else zero
         grad = jax.tree.map(lambda g: jnp.where(valid, g, 0), grad)
-        stage_grad = _added(stage_grad, grad, _unshare(window, message.share))
+        stage_grad = added(stage_grad, grad, unshare(window, message.share))
         dx = [jnp.where(valid, g, 0) for g in floats(dx)]
         return stage_grad, Message(dx, jnp.where(valid, message.share, 0)), sq
 
@@ -293,16 +294,16 @@ def _backward_slot(window: Window, carry: Carry, ring: list, message, t: Any):
         return stage_grad, Message(message.cotangent, none), zero
 
     if window.skip:
-        stage_grad, back, stage_sq = _cond(
+        stage_grad, back, stage_sq = device_cond(
             device, valid, run, idle, stage_grad, saved, message
         )
     else:
         stage_grad, back, stage_sq = run(stage_grad, saved, message)
-    embed_grad, embed_sq = _embed_backward(window, embed_grad, back, index, valid)
+    embed_grad, embed_sq = embed_backward(window, embed_grad, back, index, valid)
     return (embed_grad, stage_grad, head_grad), back, (embed_sq, stage_sq)
 
 
-def _embed_backward(window: Window, embed_grad: Any, back: Message, index, valid):
+def embed_backward(window: Window, embed_grad: Any, back: Message, index, valid):
     """On the first stage, micro-batch ``index``'s embedding backward (its
     forward recomputed from the batch), accumulated."""
     device = window.device
@@ -312,12 +313,12 @@ def _embed_backward(window: Window, embed_grad: Any, back: Message, index, valid
         micro = device.batch.microbatch(index)
         key = microbatch_key(device, index, device.schedule.num_stages)
         _, pullback = jax.vjp(lambda e: device.calls.embed(e, micro, key), device.embed)
-        (grad,) = pullback(_full_cotangent(device.fill, back.cotangent))
-        sq = _own_sq(window, grad, back.share) if window.probed else zero
-        return _added(embed_grad, grad, _unshare(window, back.share)), sq
+        (grad,) = pullback(full_cotangent(device.fill, back.cotangent))
+        sq = own_sq(window, grad, back.share) if window.probed else zero
+        return added(embed_grad, grad, unshare(window, back.share)), sq
 
     first = valid & (device.stage == 0)
-    return _cond(device, first, run, lambda g, _: (g, zero), embed_grad, back)
+    return device_cond(device, first, run, lambda g, _: (g, zero), embed_grad, back)
 
 
 def one_tick(window: Window, carry: Carry, tick_index: Any):
@@ -325,8 +326,8 @@ def one_tick(window: Window, carry: Carry, tick_index: Any):
     its backward slot; the activation handed on, the cotangent handed back."""
     device = window.device
     num = device.schedule.num_stages
-    y, ring, tick = _forward_slot(window, carry, tick_index)
-    head_grad, sums, out, message, head_sq = _loss_slot(window, carry, y, tick)
+    y, ring, tick = forward_slot(window, carry, tick_index)
+    head_grad, sums, out, message, head_sq = loss_slot(window, carry, y, tick)
     last = device.stage == num - 1
     message = select(last, message, carry.back)
     carry = carry._replace(grads=(*carry.grads[:2], head_grad), sums=sums)

@@ -23,6 +23,10 @@ a gradient.
 (S - 1)`` ticks, each a forward and a backward slot per device, a stage's
 backward the ``jax.vjp`` of its forward rebuilt from a ring of ``min(2 S -
 1, M)`` saved residuals, so the activation memory is flat in ``M``.
+Zero-bubble (``schedule="zero-bubble"``) keeps 1F1B's ticks but its backward
+slot computes only the stage input's cotangent, and a W slot per tick, placed
+by a table built when the step is traced, computes the parameters' gradient
+later from the residual ring and a ring of stored cotangents.
 
 A schedule is a strategy: one class per schedule, owning its tick table,
 its device body, its ``shard_map`` and its result tail; ``_schedules`` maps
@@ -32,7 +36,9 @@ The package, one concept per module: ``_schedule`` (the base class: forward
 slots, neighbour rings, the bubble), ``_gpipe`` (``GPipe``: one device's
 GPipe or circular window, embed, the ticks, the losses, backward by
 autodiff), ``_1f1b`` and ``_1f1b_tick`` (``OneFOneB``: one device's 1F1B
-window and one tick of it, its backward included), ``_schedules`` (the
+window and one tick of it, its backward included), ``_zero_bubble`` and
+``_zero_bubble_tick`` (``ZeroBubble``: its W table and one device's window),
+``_schedules`` (the
 names), ``_calls`` (the user's functions as the loop calls them: dtypes,
 keys, remat, gated gradients), ``_device`` (what a device's window reads:
 its parameters, micro-batches, keys, fill), ``_run`` (what every schedule

@@ -102,8 +102,9 @@ def plan_pipeline(
       stage_axis: the mesh axis of the stages, as there.
       data_axis: the mesh axis the batch is sharded over, or None, as there.
       repeats: stages per device, as there.
-      schedule: ``"gpipe"`` or ``"1f1b"`` to plan that one only; None: both
-        (GPipe only with ``repeats > 1``, which 1F1B does not take).
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"zero-bubble"`` to plan that
+        one only; None: every one (GPipe only with ``repeats > 1``, which
+        1F1B and zero-bubble do not take).
       candidates: the ``M`` to consider (each >= S with ``repeats > 1``).
         Default: ``S, 2S, 4S, ..., 32S``.
       key: a PRNG key, if the functions take one.
@@ -207,8 +208,8 @@ def _base_options(
 
 def _configs(remats: tuple, schedule: str | None, repeats: int) -> list[tuple]:
     """The ``(schedule, remat)`` pairs to plan, in the order searched: the
-    given schedule, else every schedule built for ``repeats`` (GPipe, then
-    1F1B), each with every one of ``remats``."""
+    given schedule, else every schedule built for ``repeats`` (GPipe, 1F1B,
+    zero-bubble), each with every one of ``remats``."""
     if schedule:
         schedules: list[str] = [schedule]
     else:

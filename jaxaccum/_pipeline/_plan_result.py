@@ -15,7 +15,7 @@ class PipelinePlanRow:
 
     Attributes:
       num_microbatches: ``M``.
-      schedule: ``"gpipe"`` or ``"1f1b"``.
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"zero-bubble"``.
       remat: the ``remat`` compiled (False, True or a checkpoint policy).
       batch_size: rows of the window's batch, ``M`` micro-batches.
       bubble: ``(S - 1) / (M R + S - 1)``, the share of ticks idle.
@@ -47,7 +47,8 @@ class PipelinePlan:
     Attributes:
       num_microbatches: the chosen ``M``; pass it (and ``schedule`` and
         ``remat``) to :func:`jaxaccum.pipeline_value_and_grad`.
-      schedule: the chosen schedule, ``"gpipe"`` or ``"1f1b"``.
+      schedule: the chosen schedule, ``"gpipe"``, ``"1f1b"`` or
+        ``"zero-bubble"``.
       remat: the chosen ``remat``.
       microbatch_rows: rows of one micro-batch over all data shards.
       batch_size: the window's batch at the chosen ``M``.
@@ -95,7 +96,8 @@ def efficiency(schedule: Schedule, remat: Remat, recompute: float) -> float:
     and ``remat`` adds a forward to each backward (``recompute`` of the
     two; an upper bound for a checkpoint policy). GPipe computes its bubbles
     on masked inputs, ``3 (M R + S - 1)``; 1F1B skips its bubbles' slots,
-    ``3 (M + S - 1)`` too (the schedules differ in memory)."""
+    ``3 (M + S - 1)`` too (the schedules differ in memory); zero-bubble's
+    window is shorter (its W slots deferred into idle ones)."""
     useful = schedule.useful_work / schedule.modeled_window()
     return useful / (1 + (recompute if remat else 0.0))
 

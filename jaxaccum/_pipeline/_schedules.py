@@ -8,9 +8,12 @@ from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
+from jaxaccum._pipeline._zero_bubble import ZeroBubble
 from jaxaccum._types import SCHEDULES as SCHEDULE_NAMES
 
-SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (GPipe, OneFOneB)}
+SCHEDULES: dict[str, type[Schedule]] = {
+    cls.name: cls for cls in (GPipe, OneFOneB, ZeroBubble)
+}
 assert tuple(SCHEDULES) == SCHEDULE_NAMES, "ScheduleName lists these"
 
 

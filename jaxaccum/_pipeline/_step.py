@@ -136,8 +136,11 @@ def pipeline_value_and_grad(
       stage_axis: the mesh axis of size ``S`` the stages are placed on.
       data_axis: a mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular schedule).
-      schedule: ``"gpipe"`` (activation memory linear in ``M``) or ``"1f1b"``
-        (flat in ``M``; ``repeats=1`` only).
+      schedule: ``"gpipe"`` (activation memory linear in ``M``), ``"1f1b"``
+        (flat in ``M``; ``repeats=1`` only) or ``"zero-bubble"`` (1F1B's
+        ticks with the backward split into its input and weight parts, the
+        weight part deferred into idle slots: a shorter window for a ring
+        of stored cotangents; ``repeats=1`` only).
       **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:

@@ -1,0 +1,285 @@
+"""One device's zero-bubble window (``_zero_bubble``): 1F1B's forward slot
+and loss (``_1f1b_tick``), the B slot (B's half of the stage's backward,
+``_zero_bubble_split``: the stage input's cotangent from the residual ring,
+handed back; the boundary W reads stored), the W slot (W's half: the stage
+parameters' gradient of the table's micro-batch, from both rings), the
+neighbour permutes; then the W slots of the appended ticks."""
+
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxaccum._accum_dtypes import accum_dtype_for
+from jaxaccum._pipeline._1f1b import initial_carry, ring_slots, window_results
+from jaxaccum._pipeline._1f1b_tick import (
+    Message,
+    Window,
+    added,
+    axes_of,
+    backward,
+    device_cond,
+    embed_backward,
+    floats,
+    forward,
+    forward_slot,
+    full_cotangent,
+    loss_slot,
+    own_sq,
+    read_ring,
+    stage_call,
+    stage_given,
+    unshare,
+)
+from jaxaccum._pipeline._calls import LossOut
+from jaxaccum._pipeline._device import (
+    Device,
+    Shapes,
+    Static,
+    make_device,
+    select,
+    varying,
+)
+from jaxaccum._pipeline._run import share_dtype
+from jaxaccum._pipeline._stats import probed as probed_options
+from jaxaccum._pipeline._zero_bubble_split import (
+    SplitBackward,
+    input_part,
+    split_backward,
+    weight_part,
+)
+from jaxaccum._types import Batch
+
+if TYPE_CHECKING:
+    from jaxaccum._pipeline._zero_bubble import ZeroBubble
+
+
+def _ticks_of(device: Device) -> "ZeroBubble":
+    return cast("ZeroBubble", device.schedule)
+
+
+class Carry(NamedTuple):
+    """A device's scan carry: 1F1B's, and ``stored``, each B slot's
+    boundary and share as a :class:`Message` (``(K, ...)`` slots per
+    boundary value, ``(K,)`` shares), read by the micro-batch's W slot
+    (``K`` of them, or ``max_stored``).
+
+    Attributes:
+      incoming: the activation the previous stage's device handed over.
+      back: the :class:`Message` the next stage's device handed back.
+      ring: per saved residual, its ``(K, ...)`` slots.
+      stored: the stored boundaries and shares, micro-batch ``m``'s in
+        slot ``m`` modulo their number.
+      grads: ``(embed, stages, head)`` gradients, in the accumulation dtype.
+      sums: the :class:`LossOut` summed over the micro-batches so far.
+    """
+
+    incoming: Any
+    back: Message
+    ring: list
+    stored: Message
+    grads: tuple
+    sums: LossOut
+
+
+class Halves(NamedTuple):
+    """The stage's backward split (:func:`split_backward`), traced once.
+
+    Attributes:
+      split: B's and W's equations and the boundary between them.
+      args: the tree of the backward's ``(given, saved, cotangent)``.
+      own: the tree of the stage parameters' cotangent.
+      handed: the cotangent's leaves (the last of the flat arguments).
+    """
+
+    split: SplitBackward
+    args: Any
+    own: Any
+    handed: int
+
+
+def split_stage(device: Device) -> tuple[Halves, list]:
+    """The stage's backward split into B and W (traced on the fill; the
+    values are unused, dropped by XLA), and the boundary's values as
+    examples of what a stored slot holds."""
+    given = stage_given(device, 0)
+    y, saved, pullback = forward(stage_call(device), given, device.fill)
+    cotangent = full_cotangent(device.fill, floats(jax.tree.map(jnp.zeros_like, y)))
+    leaves, tree = jax.tree.flatten((given, saved, cotangent))
+    (own, _), dx = backward(pullback, given, saved, cotangent)
+
+    def flat(*leaves: Any) -> list:
+        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
+
+    handed = len(jax.tree.leaves(cotangent))
+    split = split_backward(flat, leaves, len(jax.tree.leaves(dx)), handed)
+    _, boundary = input_part(split, leaves)
+    return Halves(split, tree, jax.tree.structure(own), handed), boundary
+
+
+def _input_slot(
+    window: Window, halves: Halves, carry: Carry, ring: list, message: Message, t: Any
+):
+    """The tick's B slot: micro-batch ``t - 2 (S - 1) + stage``'s input
+    cotangent from its ring slot and the cotangent it was handed (B's half
+    of the backward), handed back; the boundary W reads stored with the
+    share; on the first stage the embedding's backward. Returns the
+    embedding gradient, the message back, the stored ring and the
+    embedding's squared norm."""
+    device = window.device
+    schedule = _ticks_of(device)
+    valid, index = schedule.backward_at(t, device.stage)
+    saved = read_ring(ring, index % schedule.ring_size)
+    slot = index % schedule.stored_size
+    old = Message(
+        read_ring(carry.stored.cotangent, slot),
+        lax.dynamic_index_in_dim(carry.stored.share, slot, 0, keepdims=False),
+    )
+
+    def run(saved, message, old):
+        given = stage_given(device, index)
+        cotangent = full_cotangent(device.fill, message.cotangent)
+        args = jax.tree.leaves((given, saved, cotangent))
+        dx, boundary = input_part(halves.split, args)
+        dx = [jnp.where(valid, g, 0) for g in floats(dx)]
+        share = jnp.where(valid, message.share, 0)
+        return Message(dx, share), Message(boundary, message.share)
+
+    def idle(saved, message, old):
+        return Message(message.cotangent, jnp.zeros_like(message.share)), old
+
+    if window.skip:
+        back, kept = device_cond(device, valid, run, idle, saved, message, old)
+    else:
+        back, kept = run(saved, message, old)
+        kept = select(valid, kept, old)
+    stored = jax.tree.map(
+        lambda r, s: lax.dynamic_update_index_in_dim(r, s, slot, 0),
+        carry.stored,
+        kept,
+    )
+    embed_grad, embed_sq = embed_backward(window, carry.grads[0], back, index, valid)
+    return embed_grad, back, stored, embed_sq
+
+
+def _weight_slot(
+    window: Window, halves: Halves, stage_grad: Any, ring: list, stored: Message, t
+):
+    """The tick's W slot: the stage parameters' gradient of the micro-batch
+    the W table gives this device at tick ``t`` (W's half of the backward,
+    from its residuals, slot ``m % K``, and its stored boundary), accumulated
+    at its share. Returns the stage gradient and its squared norm."""
+    device = window.device
+    schedule = _ticks_of(device)
+    micro = jnp.asarray(schedule.weight_table())[device.stage, t]
+    valid, index = micro >= 0, jnp.maximum(micro, 0)
+    saved = read_ring(ring, index % schedule.ring_size)
+    slot = index % schedule.stored_size
+    boundary = read_ring(stored.cotangent, slot)
+    share = lax.dynamic_index_in_dim(stored.share, slot, 0, keepdims=False)
+    zero = varying(jnp.zeros((), jnp.float32), axes_of(device))
+
+    def run(stage_grad, saved, boundary, share):
+        given = stage_given(device, index)
+        args = [*jax.tree.leaves((given, saved)), *[None] * halves.handed]
+        weights = weight_part(halves.split, args, boundary)
+        own_grad = jax.tree.unflatten(halves.own, weights[: halves.own.num_leaves])
+        accum = device.options.accum_dtype
+        grad = jax.tree.map(
+            lambda g: g.astype(accum_dtype_for(g.dtype, accum)), own_grad
+        )
+        sq = own_sq(window, grad, share) if window.probed else zero
+        grad = jax.tree.map(lambda g: jnp.where(valid, g, 0), grad)
+        return added(stage_grad, grad, unshare(window, share)), sq
+
+    def idle(stage_grad, *_):
+        return stage_grad, zero
+
+    operands = (stage_grad, saved, boundary, share)
+    if window.skip:
+        return device_cond(device, valid, run, idle, *operands)
+    return run(*operands)
+
+
+def _one_tick(window: Window, halves: Halves, carry: Carry, tick_index: Any):
+    """One loop tick of one device: its forward slot, the loss on the last
+    stage, its B slot, its W slot; the activation handed on, the cotangent
+    handed back."""
+    device = window.device
+    y, ring, tick = forward_slot(window, carry, tick_index)
+    head_grad, sums, out, message, head_sq = loss_slot(window, carry, y, tick)
+    last = device.stage == device.schedule.num_stages - 1
+    message = select(last, message, carry.back)
+    embed_grad, back, stored, embed_sq = _input_slot(
+        window, halves, carry, ring, message, tick_index
+    )
+    stage_grad, stage_sq = _weight_slot(
+        window, halves, carry.grads[1], ring, stored, tick_index
+    )
+    axis, schedule = device.options.layout.stage_axis, device.schedule
+    incoming = lax.ppermute(y, axis, schedule.forward_ring())
+    back = lax.ppermute(back, axis, schedule.backward_ring())
+    grads = (embed_grad, stage_grad, head_grad)
+    per_tick = (out.loss, out.weight, embed_sq, stage_sq, head_sq)
+    return Carry(incoming, back, ring, stored, grads, sums), per_tick
+
+
+def _appended_tick(window: Window, halves: Halves, carry: Carry, tick_index: Any):
+    """One appended tick: the W slot only."""
+    embed, stage_grad, head = carry.grads
+    stage_grad, stage_sq = _weight_slot(
+        window, halves, stage_grad, carry.ring, carry.stored, tick_index
+    )
+    return carry._replace(grads=(embed, stage_grad, head)), stage_sq
+
+
+def _initial(window: Window, shapes: Shapes, boundary: list) -> Carry:
+    """1F1B's carry before the first tick, and an empty stored ring (slots
+    like ``boundary``)."""
+    one = initial_carry(window, shapes)
+    count = _ticks_of(window.device).stored_size
+    stored = Message(
+        [ring_slots(x, count) for x in boundary],
+        jnp.zeros((count,), window.share_dtype),
+    )
+    stored = varying(stored, axes_of(window.device))
+    return Carry(one.incoming, one.back, one.ring, stored, one.grads, one.sums)
+
+
+def run_window(
+    static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
+):
+    """One device's zero-bubble window under ``shard_map``; returns what the
+    1F1B window's ``run_window`` does (the stage probes per tick, the
+    appended ticks' included)."""
+    options, schedule, shapes = static.options, static.schedule, static.shapes
+    schedule = cast("ZeroBubble", schedule)
+    device = make_device(static, params, batch, key)
+    shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
+    window = Window(
+        device,
+        loss_scale,
+        schedule.num_microbatches * shards,
+        skip,
+        probed_options(options),
+        [],
+        share_dtype(shapes.loss.loss),
+    )
+    halves, boundary = split_stage(device)
+    carry, (loss, weight, embed_sq, stage_sq, head_sq) = lax.scan(
+        lambda c, t: _one_tick(window, halves, c, t),
+        _initial(window, shapes, boundary),
+        jnp.arange(schedule.loop_ticks),
+        unroll=options.unroll,
+    )
+    if schedule.num_ticks > schedule.loop_ticks:
+        carry, appended_sq = lax.scan(
+            lambda c, t: _appended_tick(window, halves, c, t),
+            carry,
+            jnp.arange(schedule.loop_ticks, schedule.num_ticks),
+            unroll=options.unroll,
+        )
+        stage_sq = jnp.concatenate([stage_sq, appended_sq])
+    per_tick = (loss, weight, embed_sq, stage_sq, head_sq)
+    return window_results(carry, per_tick, schedule, static.fsdp_dims, options)
