@@ -43,6 +43,7 @@ from tolerances import UNIT_ROUNDOFF
 import jaxaccum
 from jaxaccum._hlo import collective_bytes, find_collectives, window_bytes
 from jaxaccum._options import AccumOptions, PipelineLayout
+from jaxaccum._pipeline._interleaved import Interleaved
 from jaxaccum._pipeline._step import make_pipeline
 
 INPUTS, FEATURES, OUTPUTS = 4, 16, 2
@@ -101,7 +102,23 @@ ZERO_BUBBLE = (
     ("stage2_fsdp4_M3", (2, 4), ("stage", "fsdp"), "fsdp", 3, 1),
     ("stage2_fsdp4_M8", (2, 4), ("stage", "fsdp"), "fsdp", 8, 1),
 )
-EXACT_BY_NAME = {case[0]: case for case in (*EXACT, *ONE_F_ONE_B, *ZERO_BUBBLE)}
+# schedule="1f1b" with R > 1 (interleaved, interleaved_checks.py): M = S,
+# 2S, 4S, 7 and M < S on stage=4 x data=2 (R = 2); M = S, 2S on stage=8
+# (R = 2: 16 model stages); M = 5 (R = 3) and 4S (R = 4) on stage=2 x fsdp=4.
+INTERLEAVED = (
+    ("stage8_M8_R2", (8,), ("stage",), None, 8, 2),
+    ("stage8_M16_R2", (8,), ("stage",), None, 16, 2),
+    ("stage4_data2_M3_R2", (4, 2), ("stage", "data"), "data", 3, 2),
+    ("stage4_data2_M4_R2", (4, 2), ("stage", "data"), "data", 4, 2),
+    ("stage4_data2_M7_R2", (4, 2), ("stage", "data"), "data", 7, 2),
+    ("stage4_data2_M8_R2", (4, 2), ("stage", "data"), "data", 8, 2),
+    ("stage4_data2_M16_R2", (4, 2), ("stage", "data"), "data", 16, 2),
+    ("stage2_fsdp4_M5_R3", (2, 4), ("stage", "fsdp"), "fsdp", 5, 3),
+    ("stage2_fsdp4_M8_R4", (2, 4), ("stage", "fsdp"), "fsdp", 8, 4),
+)
+EXACT_BY_NAME = {
+    case[0]: case for case in (*EXACT, *ONE_F_ONE_B, *ZERO_BUBBLE, *INTERLEAVED)
+}
 AUTO = "stage4_data2_M4_R2"
 
 CHECKS = [
@@ -227,9 +244,18 @@ class Case:
 
     @property
     def ticks(self):
+        if self.schedule == "1f1b" and self.repeats > 1:  # interleaved
+            return Interleaved(
+                self.num_stages, self.num_microbatches, self.repeats
+            ).num_ticks
         if self.schedule in ("1f1b", "zero-bubble"):  # the loop's: permutes
             return self.num_microbatches + 2 * (self.num_stages - 1)
         return self.num_microbatches * self.repeats + self.num_stages - 1
+
+    @property
+    def layers(self):
+        """The bound's chain: LAYERS, or the case's model stages if more."""
+        return max(LAYERS, self.num_stages * self.repeats)
 
     @property
     def rows(self):
@@ -362,7 +388,7 @@ def check_exact(name, axis_type=AxisType.Explicit, schedule="gpipe"):
     case = make_case(name, axis_type=axis_type, schedule=schedule)
     compiled, out = compiled_run(pipelined(case), *case.placed)
     expected = reference(case)
-    rtol = tolerance(UNIT_ROUNDOFF, batch=max(case.rows, BATCH))
+    rtol = tolerance(UNIT_ROUNDOFF, layers=case.layers, batch=max(case.rows, BATCH))
     chex.assert_trees_all_close(out, expected, rtol=rtol, atol=rtol)
     check_shardings(out[1], case.placed[0])
     return f"max error {max_error(out, expected):.2e} (tol {rtol:.1e}); " + (
@@ -377,7 +403,7 @@ def check_float64(name, schedule="gpipe"):
         out = jax.jit(pipelined(case))(*case.placed)
         expected = reference(case)
         assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(out))
-        rtol = tolerance(2.0**-53, batch=max(case.rows, BATCH))
+        rtol = tolerance(2.0**-53, layers=case.layers, batch=max(case.rows, BATCH))
         chex.assert_trees_all_close(out, expected, rtol=rtol, atol=rtol)
         error = max_error(out, expected)
     finally:
