@@ -156,6 +156,17 @@ CHECKS = [
     "zero_bubble_report_stats",
     "zero_bubble_drawn_options_agree",
     "zero_bubble_memory_and_slots",
+    "interleaved_exact_matrix",
+    "interleaved_float64",
+    "interleaved_nan_bubbles_skipped_and_masked",
+    "interleaved_weighted_aux_keys",
+    "interleaved_sum_reduction",
+    "interleaved_bfloat16_stage_params",
+    "interleaved_loss_scale",
+    "interleaved_report_stats",
+    "interleaved_drawn_options_agree",
+    "interleaved_against_1f1b",
+    "interleaved_memory_and_flops",
 ]
 
 
@@ -503,17 +514,22 @@ def weighted_reference(params, batch, key, num, shards):
     return (jnp.sum(sums) / total, aux), grads
 
 
-def check_weighted_aux_keys(schedule="gpipe"):
+def check_weighted_aux_keys(schedule="gpipe", interleaved=False):
     """reduction="weighted" (token-exact: the weights are uneven), has_aux
     (means over micro-batches and shards) and keys in every function, on two
     layouts of the same 4 layers (stage=4 x data=2, R=1; stage=2 x data=2,
-    R=2, GPipe only): each equals the reference drawn with the documented
-    keys, so a micro-batch's randomness depends on it and its layer, not on
-    the schedule, the tick or the device that runs it."""
+    R=2: GPipe, and "1f1b" there when ``interleaved``): each equals the
+    reference drawn with the documented keys, so a micro-batch's randomness
+    depends on it and its layer, not on the schedule, the tick or the device
+    that runs it."""
     key = jax.random.key(7)
     details = []
     layouts = (((4, 2), 1, None), ((2, 2), 2, jax.devices()[:4]))
-    for shape, repeats, devices in layouts[: 2 if schedule == "gpipe" else 1]:
+    if interleaved:
+        layouts = layouts[1:]
+    elif schedule != "gpipe":
+        layouts = layouts[:1]
+    for shape, repeats, devices in layouts:
         mesh = jax.make_mesh(shape, ("stage", "data"), devices=devices)
         num = 4
         params = make_params(4)
@@ -537,8 +553,8 @@ def check_weighted_aux_keys(schedule="gpipe"):
     return "; ".join(details)
 
 
-def check_sum_reduction(schedule="gpipe"):
-    case = make_case("stage8_M3", schedule=schedule)
+def check_sum_reduction(schedule="gpipe", name="stage8_M3"):
+    case = make_case(name, schedule=schedule)
 
     def sum_loss(params, x, micro_batch):
         return jnp.sum((x @ params["w"] - micro_batch["y"]) ** 2)
@@ -552,7 +568,7 @@ def check_sum_reduction(schedule="gpipe"):
     return f"sum {float(out[0]):.4f}"
 
 
-def check_bfloat16(schedule="gpipe"):
+def check_bfloat16(schedule="gpipe", name="stage4_data2_M7"):
     """bfloat16 stage parameters: bfloat16 gradients within a bound derived
     per element, reduced in float32 (the HLO JAX emits; XLA:CPU promotes
     bfloat16 collectives itself).
@@ -564,7 +580,7 @@ def check_bfloat16(schedule="gpipe"):
     tick (2^-8 |g_p|, 2^-8 mean_p |g_p| in the mean), and the float32 mean
     is rounded once at the end (2^-8 of |G| plus the first error). The
     float32 sums add RTOL, ATOL."""
-    case = make_case("stage4_data2_M7", schedule=schedule)
+    case = make_case(name, schedule=schedule)
     params, placed = (
         (tree[0], jax.tree.map(lambda p: p.astype(jnp.bfloat16), tree[1]), tree[2])
         for tree in (case.params, case.placed[0])
@@ -1107,6 +1123,10 @@ def _run(name):
         return check_exact(name.removeprefix("auto_mesh_"), AxisType.Auto)
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"))
+    if name.startswith("interleaved_"):
+        import interleaved_checks  # noqa: PLC0415 (it imports this module)
+
+        return interleaved_checks.run(name.removeprefix("interleaved_"))
     if name.startswith("zero_bubble_"):
         import zero_bubble_checks  # noqa: PLC0415 (it imports this module)
 
