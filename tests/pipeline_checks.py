@@ -42,6 +42,7 @@ from tolerances import UNIT_ROUNDOFF
 
 import jaxaccum
 from jaxaccum._hlo import collective_bytes, find_collectives, window_bytes
+from jaxaccum._pipeline._interleaved import Interleaved
 from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._step import make_pipeline
 
@@ -101,7 +102,23 @@ ZERO_BUBBLE = (
     ("stage2_fsdp4_M3", (2, 4), ("stage", "fsdp"), "fsdp", 3, 1),
     ("stage2_fsdp4_M8", (2, 4), ("stage", "fsdp"), "fsdp", 8, 1),
 )
-EXACT_BY_NAME = {case[0]: case for case in (*EXACT, *ONE_F_ONE_B, *ZERO_BUBBLE)}
+# schedule="1f1b" with R > 1 (interleaved, interleaved_checks.py): M = S,
+# 2S, 4S, 7 and M < S on stage=4 x data=2 (R = 2); M = S, 2S on stage=8
+# (R = 2: 16 model stages); M = 5 (R = 3) and 4S (R = 4) on stage=2 x fsdp=4.
+INTERLEAVED = (
+    ("stage8_M8_R2", (8,), ("stage",), None, 8, 2),
+    ("stage8_M16_R2", (8,), ("stage",), None, 16, 2),
+    ("stage4_data2_M3_R2", (4, 2), ("stage", "data"), "data", 3, 2),
+    ("stage4_data2_M4_R2", (4, 2), ("stage", "data"), "data", 4, 2),
+    ("stage4_data2_M7_R2", (4, 2), ("stage", "data"), "data", 7, 2),
+    ("stage4_data2_M8_R2", (4, 2), ("stage", "data"), "data", 8, 2),
+    ("stage4_data2_M16_R2", (4, 2), ("stage", "data"), "data", 16, 2),
+    ("stage2_fsdp4_M5_R3", (2, 4), ("stage", "fsdp"), "fsdp", 5, 3),
+    ("stage2_fsdp4_M8_R4", (2, 4), ("stage", "fsdp"), "fsdp", 8, 4),
+)
+EXACT_BY_NAME = {
+    case[0]: case for case in (*EXACT, *ONE_F_ONE_B, *ZERO_BUBBLE, *INTERLEAVED)
+}
 AUTO = "stage4_data2_M4_R2"
 
 CHECKS = [
@@ -139,6 +156,17 @@ CHECKS = [
     "zero_bubble_report_stats",
     "zero_bubble_drawn_options_agree",
     "zero_bubble_memory_and_slots",
+    "interleaved_exact_matrix",
+    "interleaved_float64",
+    "interleaved_nan_bubbles_skipped_and_masked",
+    "interleaved_weighted_aux_keys",
+    "interleaved_sum_reduction",
+    "interleaved_bfloat16_stage_params",
+    "interleaved_loss_scale",
+    "interleaved_report_stats",
+    "interleaved_drawn_options_agree",
+    "interleaved_against_1f1b",
+    "interleaved_memory_and_flops",
 ]
 
 
@@ -227,9 +255,18 @@ class Case:
 
     @property
     def ticks(self):
+        if self.schedule == "1f1b" and self.repeats > 1:  # interleaved
+            return Interleaved(
+                self.num_stages, self.num_microbatches, self.repeats
+            ).num_ticks
         if self.schedule in ("1f1b", "zero-bubble"):  # the loop's: permutes
             return self.num_microbatches + 2 * (self.num_stages - 1)
         return self.num_microbatches * self.repeats + self.num_stages - 1
+
+    @property
+    def layers(self):
+        """The bound's chain: LAYERS, or the case's model stages if more."""
+        return max(LAYERS, self.num_stages * self.repeats)
 
     @property
     def rows(self):
@@ -362,7 +399,7 @@ def check_exact(name, axis_type=AxisType.Explicit, schedule="gpipe"):
     case = make_case(name, axis_type=axis_type, schedule=schedule)
     compiled, out = compiled_run(pipelined(case), *case.placed)
     expected = reference(case)
-    rtol = tolerance(UNIT_ROUNDOFF, batch=max(case.rows, BATCH))
+    rtol = tolerance(UNIT_ROUNDOFF, layers=case.layers, batch=max(case.rows, BATCH))
     chex.assert_trees_all_close(out, expected, rtol=rtol, atol=rtol)
     check_shardings(out[1], case.placed[0])
     return f"max error {max_error(out, expected):.2e} (tol {rtol:.1e}); " + (
@@ -377,7 +414,7 @@ def check_float64(name, schedule="gpipe"):
         out = jax.jit(pipelined(case))(*case.placed)
         expected = reference(case)
         assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(out))
-        rtol = tolerance(2.0**-53, batch=max(case.rows, BATCH))
+        rtol = tolerance(2.0**-53, layers=case.layers, batch=max(case.rows, BATCH))
         chex.assert_trees_all_close(out, expected, rtol=rtol, atol=rtol)
         error = max_error(out, expected)
     finally:
@@ -477,17 +514,22 @@ def weighted_reference(params, batch, key, num, shards):
     return (jnp.sum(sums) / total, aux), grads
 
 
-def check_weighted_aux_keys(schedule="gpipe"):
+def check_weighted_aux_keys(schedule="gpipe", interleaved=False):
     """reduction="weighted" (token-exact: the weights are uneven), has_aux
     (means over micro-batches and shards) and keys in every function, on two
     layouts of the same 4 layers (stage=4 x data=2, R=1; stage=2 x data=2,
-    R=2, GPipe only): each equals the reference drawn with the documented
-    keys, so a micro-batch's randomness depends on it and its layer, not on
-    the schedule, the tick or the device that runs it."""
+    R=2: GPipe, and "1f1b" there when ``interleaved``): each equals the
+    reference drawn with the documented keys, so a micro-batch's randomness
+    depends on it and its layer, not on the schedule, the tick or the device
+    that runs it."""
     key = jax.random.key(7)
     details = []
     layouts = (((4, 2), 1, None), ((2, 2), 2, jax.devices()[:4]))
-    for shape, repeats, devices in layouts[: 2 if schedule == "gpipe" else 1]:
+    if interleaved:
+        layouts = layouts[1:]
+    elif schedule != "gpipe":
+        layouts = layouts[:1]
+    for shape, repeats, devices in layouts:
         mesh = jax.make_mesh(shape, ("stage", "data"), devices=devices)
         num = 4
         params = make_params(4)
@@ -511,8 +553,8 @@ def check_weighted_aux_keys(schedule="gpipe"):
     return "; ".join(details)
 
 
-def check_sum_reduction(schedule="gpipe"):
-    case = make_case("stage8_M3", schedule=schedule)
+def check_sum_reduction(schedule="gpipe", name="stage8_M3"):
+    case = make_case(name, schedule=schedule)
 
     def sum_loss(params, x, micro_batch):
         return jnp.sum((x @ params["w"] - micro_batch["y"]) ** 2)
@@ -526,7 +568,7 @@ def check_sum_reduction(schedule="gpipe"):
     return f"sum {float(out[0]):.4f}"
 
 
-def check_bfloat16(schedule="gpipe"):
+def check_bfloat16(schedule="gpipe", name="stage4_data2_M7"):
     """bfloat16 stage parameters: bfloat16 gradients within a bound derived
     per element, reduced in float32 (the HLO JAX emits; XLA:CPU promotes
     bfloat16 collectives itself).
@@ -538,7 +580,7 @@ def check_bfloat16(schedule="gpipe"):
     tick (2^-8 |g_p|, 2^-8 mean_p |g_p| in the mean), and the float32 mean
     is rounded once at the end (2^-8 of |G| plus the first error). The
     float32 sums add RTOL, ATOL."""
-    case = make_case("stage4_data2_M7", schedule=schedule)
+    case = make_case(name, schedule=schedule)
     params, placed = (
         (tree[0], jax.tree.map(lambda p: p.astype(jnp.bfloat16), tree[1]), tree[2])
         for tree in (case.params, case.placed[0])
@@ -1082,6 +1124,10 @@ def _run(name):
         return check_exact(name.removeprefix("auto_mesh_"), AxisType.Auto)
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"))
+    if name.startswith("interleaved_"):
+        import interleaved_checks  # noqa: PLC0415 (it imports this module)
+
+        return interleaved_checks.run(name.removeprefix("interleaved_"))
     if name.startswith("zero_bubble_"):
         import zero_bubble_checks  # noqa: PLC0415 (it imports this module)
 

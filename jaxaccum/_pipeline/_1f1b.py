@@ -56,7 +56,8 @@ class OneFOneB(Schedule):
     """1F1B in one program: each tick a forward and a backward slot per
     device, ``M + 2 (S - 1)`` ticks; stage ``d`` runs micro-batch ``m``'s
     forward at tick ``m + d`` and its backward at tick ``m + 2 (S - 1) - d``
-    (activation memory flat in ``M``). ``repeats=1`` only."""
+    (activation memory flat in ``M``). ``repeats=1`` only: with ``R > 1``
+    ``schedule="1f1b"`` is ``_interleaved.Interleaved``."""
 
     name: ClassVar[str] = "1f1b"
 
@@ -64,12 +65,9 @@ class OneFOneB(Schedule):
     def check_repeats(cls, repeats: int) -> None:
         if repeats > 1:
             raise ValueError(
-                f"schedule='1f1b' with repeats={repeats} (interleaved 1F1B) is "
-                "not built: its backward slots would run the repeats in reverse "
-                "round the ring, each device keeping a ring of stage inputs per "
-                "repeat (docs/guides/pipeline.md, 'Not built'). Use repeats=1 "
-                "with '1f1b' (its activation memory is flat in M already), or "
-                "schedule='gpipe' for the circular schedule."
+                f"OneFOneB runs one stage a device, got repeats={repeats}: "
+                "schedule='1f1b' with repeats > 1 is interleaved 1F1B, "
+                "_interleaved.Interleaved (the schedule_type of the name)."
             )
 
     @property

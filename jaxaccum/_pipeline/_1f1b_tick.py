@@ -224,7 +224,8 @@ def axes_of(device: Device) -> tuple[str, ...]:
 
 
 def loss_slot(window: Window, carry: Any, y: Any, tick: Any):
-    """On the last stage, micro-batch ``tick.microbatch``'s loss and the
+    """Where ``tick`` exits (the last stage's last repeat), micro-batch
+    ``tick.microbatch``'s loss and the
     start of its backward: the loss's ``jax.vjp`` seeded with its share
     (times the loss scale). Returns the carry's head gradient and sums, the
     loss (zeros elsewhere), the cotangent message and the head's squared
@@ -236,7 +237,8 @@ def loss_slot(window: Window, carry: Any, y: Any, tick: Any):
 
     def take(head_grad, sums, y):
         micro = device.batch.microbatch(tick.microbatch)
-        key = microbatch_key(device, tick.microbatch, schedule.num_stages + 1)
+        layers = schedule.num_stages * schedule.repeats
+        key = microbatch_key(device, tick.microbatch, layers + 1)
 
         def loss(head, y):
             out = device.calls.loss(head, y, micro, key)
@@ -258,8 +260,7 @@ def loss_slot(window: Window, carry: Any, y: Any, tick: Any):
         message = Message(floats(jax.tree.map(jnp.zeros_like, y)), none)
         return head_grad, sums, device.no_loss, message, zero
 
-    last = tick.valid & (device.stage == schedule.num_stages - 1)
-    return device_cond(device, last, take, idle, head_grad, sums, y)
+    return device_cond(device, tick.exits, take, idle, head_grad, sums, y)
 
 
 def _backward_slot(window: Window, carry: Carry, ring: list, message, t: Any):
@@ -311,7 +312,8 @@ def embed_backward(window: Window, embed_grad: Any, back: Message, index, valid)
 
     def run(embed_grad, back):
         micro = device.batch.microbatch(index)
-        key = microbatch_key(device, index, device.schedule.num_stages)
+        schedule = device.schedule
+        key = microbatch_key(device, index, schedule.num_stages * schedule.repeats)
         _, pullback = jax.vjp(lambda e: device.calls.embed(e, micro, key), device.embed)
         (grad,) = pullback(full_cotangent(device.fill, back.cotangent))
         sq = own_sq(window, grad, back.share) if window.probed else zero

@@ -141,7 +141,7 @@ def plan_pipeline(
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
 
     def efficiency_of(num: int, config: tuple) -> float:
-        ticks = SCHEDULES[config[0]](num_stages, num, repeats)
+        ticks = schedule_type(config[0], repeats)(num_stages, num, repeats)
         return efficiency(ticks, config[1], recompute)
 
     def measure(num: int, config: tuple) -> PipelinePlanRow:
@@ -151,7 +151,7 @@ def plan_pipeline(
             base, num_microbatches=num, remat=remat, layout=pipeline
         )
         row = _measure(functions, call, mesh, (params, microbatch, key))
-        ticks = SCHEDULES[kind](num_stages, num, repeats)
+        ticks = schedule_type(kind, repeats)(num_stages, num, repeats)
         return dataclasses.replace(
             row,
             bubble=ticks.bubble_fraction,

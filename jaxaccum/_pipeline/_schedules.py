@@ -6,6 +6,7 @@ from typing import Any
 
 from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._gpipe import GPipe
+from jaxaccum._pipeline._interleaved import Interleaved
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
@@ -18,11 +19,15 @@ assert tuple(SCHEDULES) == SCHEDULE_NAMES, "ScheduleName lists these"
 
 
 def schedule_type(name: str, repeats: int) -> type[Schedule]:
-    """The class of ``schedule=name``, refusing a name it does not know and a
-    ``repeats`` it is not built for, each saying why."""
+    """The class of ``schedule=name`` (``"1f1b"`` with ``repeats > 1`` is
+    :class:`~jaxaccum._pipeline._interleaved.Interleaved`), refusing a name
+    it does not know and a ``repeats`` it is not built for, each saying
+    why."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {name!r}.")
     cls = SCHEDULES[name]
+    if cls is OneFOneB and repeats > 1:
+        return Interleaved  # interleaved 1F1B: "1f1b" with R stages a device
     cls.check_repeats(repeats)
     return cls
 

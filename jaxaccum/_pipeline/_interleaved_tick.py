@@ -1,0 +1,256 @@
+"""One device's interleaved 1F1B window (``_interleaved``): per tick a
+forward slot (the stage of the table's repeat, its residuals written to the
+table's ring slot), 1F1B's loss slot where the last repeat exits
+(``_1f1b_tick``), a backward slot (the repeat's stage ``jax.vjp`` rebuilt
+from its ring slot, its gradient accumulated at that repeat), the embedding's
+backward where repeat 0 leaves the first device, and the circular neighbour
+permutes."""
+
+from typing import TYPE_CHECKING, Any, cast
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxaccum._accum_dtypes import accum_dtype_for
+from jaxaccum._pipeline._1f1b import reduced, ring_slots
+from jaxaccum._pipeline._1f1b_tick import (
+    Carry,
+    Message,
+    Window,
+    axes_of,
+    backward,
+    device_cond,
+    embed_backward,
+    floats,
+    forward,
+    full_cotangent,
+    loss_slot,
+    own_sq,
+    read_ring,
+    stage_call,
+    unshare,
+)
+from jaxaccum._pipeline._calls import LossOut
+from jaxaccum._pipeline._device import (
+    Device,
+    Probes,
+    Shapes,
+    Static,
+    fill_like,
+    make_device,
+    microbatch_key,
+    select,
+    varying,
+)
+from jaxaccum._pipeline._run import share_dtype
+from jaxaccum._pipeline._stats import probed as probed_options
+from jaxaccum._types import Batch, PyTree
+
+if TYPE_CHECKING:
+    from jaxaccum._pipeline._interleaved import Interleaved
+
+
+def _ticks_of(device: Device) -> "Interleaved":
+    return cast("Interleaved", device.schedule)
+
+
+def _given(device: Device, index: Any, repeat: Any) -> tuple:
+    """``(stage parameters, key)`` of micro-batch ``index`` at this device's
+    stage of ``repeat``: its ``(1, ...)`` slice of the device's stages (the
+    stage call indexes its 0), the key of model stage ``repeat S + d``."""
+    own = jax.tree.map(
+        lambda p: lax.dynamic_slice_in_dim(p, repeat, 1, 0), device.own_stages
+    )
+    layer = repeat * device.schedule.num_stages + device.stage
+    return own, microbatch_key(device, index, layer)
+
+
+def _table(device: Device, name: str, tick: Any) -> jax.Array:
+    """This device's entry of the ring slot table ``name`` at ``tick``."""
+    table = getattr(_ticks_of(device).tables(), name)
+    return jnp.asarray(table)[device.stage, tick]
+
+
+def _forward_slot(window: Window, carry: Carry, tick_index: Any):
+    """The tick's forward slot: the repeat's stage on the activation handed
+    over (embedded here where the micro-batch enters), its residuals written
+    to the table's ring slot. Returns the output, the ring and the Tick."""
+    device, schedule = window.device, _ticks_of(window.device)
+    tick = schedule.at(tick_index, device.stage)
+
+    def embed():
+        micro = device.batch.microbatch(tick.microbatch)
+        layers = schedule.num_stages * schedule.repeats
+        key = microbatch_key(device, tick.microbatch, layers)
+        return varying(device.calls.embed(device.embed, micro, key), axes_of(device))
+
+    entering = device_cond(device, tick.enters, embed, lambda: device.fill)
+    x = select(tick.valid, select(tick.enters, entering, carry.incoming), device.fill)
+    slot = _table(device, "forward_slot", tick_index)
+    old = read_ring(carry.ring, slot)
+
+    def run(given, x):
+        y, saved, pullback = forward(stage_call(device), given, x)
+        window.pullback[:] = [pullback]
+        return y, saved
+
+    given = _given(device, tick.microbatch, tick.repeat)
+    if window.skip:
+        y, saved = device_cond(
+            device, tick.valid, run, lambda *_: (device.fill, old), given, x
+        )
+    else:
+        y, saved = run(given, x)
+        saved = select(tick.valid, saved, old)
+    ring = [
+        lax.dynamic_update_index_in_dim(r, s, slot, 0)
+        for r, s in zip(carry.ring, saved, strict=True)
+    ]
+    return y, ring, tick
+
+
+def _added_at(total: Any, grad: Any, factor: Any, repeat: Any) -> Any:
+    """``total[repeat] += grad[0] * factor`` leaf by leaf, in ``total``'s
+    dtypes (``grad`` a ``(1, ...)`` slice's gradient)."""
+
+    def add(t: jax.Array, g: jax.Array) -> jax.Array:
+        old = lax.dynamic_slice_in_dim(t, repeat, 1, 0)
+        new = old + (g.astype(t.dtype) * factor).astype(t.dtype)
+        return lax.dynamic_update_slice_in_dim(t, new, repeat, 0)
+
+    return jax.tree.map(add, total, grad)
+
+
+def _backward_slot(window: Window, carry: Carry, ring: list, message, t: Any):
+    """The tick's backward slot: the table's (micro-batch, repeat) stage
+    backward from its ring slot, accumulated at the repeat; where repeat 0
+    leaves the first device the embedding's. Returns the gradients, the
+    message to the stage before and the stage's and embedding's squared
+    norms."""
+    device = window.device
+    slot = _ticks_of(device).backward_slot(t, device.stage)
+    valid, index, repeat = slot
+    saved = read_ring(ring, _table(device, "backward_slot", t))
+    embed_grad, stage_grad, head_grad = carry.grads
+    zero = varying(jnp.zeros((), jnp.float32), axes_of(device))
+
+    def run(stage_grad, saved, message):
+        given = _given(device, index, repeat)
+        cotangent = full_cotangent(device.fill, message.cotangent)
+        (own_grad, _), dx = backward(window.pullback[0], given, saved, cotangent)
+        accum = device.options.accum_dtype
+        grad = jax.tree.map(
+            lambda g: g.astype(accum_dtype_for(g.dtype, accum)), own_grad
+        )
+        sq = own_sq(window, grad, message.share) if window.probed else zero
+        grad = jax.tree.map(lambda g: jnp.where(valid, g, 0), grad)
+        factor = unshare(window, message.share)
+        stage_grad = _added_at(stage_grad, grad, factor, repeat)
+        dx = [jnp.where(valid, g, 0) for g in floats(dx)]
+        return stage_grad, Message(dx, jnp.where(valid, message.share, 0)), sq
+
+    def idle(stage_grad, saved, message):
+        none = jnp.zeros_like(message.share)
+        return stage_grad, Message(message.cotangent, none), zero
+
+    if window.skip:
+        stage_grad, back, stage_sq = device_cond(
+            device, valid, run, idle, stage_grad, saved, message
+        )
+    else:
+        stage_grad, back, stage_sq = run(stage_grad, saved, message)
+    first = valid & (repeat == 0)
+    embed_grad, embed_sq = embed_backward(window, embed_grad, back, index, first)
+    return (embed_grad, stage_grad, head_grad), back, (embed_sq, stage_sq)
+
+
+def _one_tick(window: Window, carry: Carry, tick_index: Any):
+    """One tick of one device: its forward slot, the loss where the last
+    repeat exits, its backward slot (seeded by that loss on the last device
+    in the last repeat, else by the cotangent handed back round the ring);
+    the activation handed on, the cotangent handed back."""
+    device, schedule = window.device, _ticks_of(window.device)
+    y, ring, tick = _forward_slot(window, carry, tick_index)
+    head_grad, sums, out, message, head_sq = loss_slot(window, carry, y, tick)
+    repeat = schedule.backward_slot(tick_index, device.stage).repeat
+    seeded = (device.stage == schedule.num_stages - 1) & (
+        repeat == schedule.repeats - 1
+    )
+    message = select(seeded, message, carry.back)
+    carry = carry._replace(grads=(*carry.grads[:2], head_grad), sums=sums)
+    grads, back, (embed_sq, stage_sq) = _backward_slot(
+        window, carry, ring, message, tick_index
+    )
+    axis = device.options.layout.stage_axis
+    incoming = lax.ppermute(y, axis, schedule.forward_ring())
+    back = lax.ppermute(back, axis, schedule.backward_ring())
+    per_tick = (out.loss, out.weight, embed_sq, stage_sq, head_sq)
+    return Carry(incoming, back, ring, grads, sums), per_tick
+
+
+def _initial(window: Window, shapes: Shapes) -> Carry:
+    """The carry before the first tick: fills, an empty ring of the table's
+    size, zero sums."""
+    device = window.device
+    given = _given(device, 0, 0)
+    saved = jax.eval_shape(
+        lambda g, x: forward(stage_call(device), g, x)[1], given, device.fill
+    )
+    count = _ticks_of(device).ring_size
+    ring = [ring_slots(s, count) for s in saved]
+    zero_grads = jax.tree.map(
+        jnp.zeros_like, (device.embed, device.stages, device.head)
+    )
+    message = Message(
+        floats(fill_like(shapes.x, 0.0)), jnp.zeros((), window.share_dtype)
+    )
+    carry = Carry(device.fill, message, ring, zero_grads, device.no_loss)
+    return varying(carry, axes_of(device))
+
+
+def _results(carry: Carry, per_tick: tuple, schedule: "Interleaved", static: Static):
+    """The loop's carry and per-tick outputs as :func:`run_window` returns
+    them: each micro-batch's loss and head probe from its loss tick, its
+    embedding probe from its embedding backward's tick."""
+    num, options = schedule.num_microbatches, static.options
+    loss, weight, embed_sq, stage_sq, head_sq = per_tick
+    losses, embeds = schedule.loss_ticks(), schedule.embed_ticks()
+
+    def on(x: PyTree, ticks: Any) -> Any:
+        return jax.tree.map(lambda y: y[ticks].reshape(1, 1, num), x)
+
+    per_micro = LossOut(on(loss, losses), on(weight, losses), ())
+    probes = Probes(
+        on(embed_sq, embeds), stage_sq.reshape(1, 1, -1), on(head_sq, losses)
+    )
+    sums = lax.psum(carry.sums, options.layout.manual_axes)
+    grads = reduced(carry.grads, static.fsdp_dims, options)
+    return sums, per_micro, grads, probes
+
+
+def run_window(
+    static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
+):
+    """One device's interleaved window under ``shard_map``; returns what the
+    1F1B window's ``run_window`` does."""
+    options, shapes = static.options, static.shapes
+    schedule = cast("Interleaved", static.schedule)
+    device = make_device(static, params, batch, key)
+    shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
+    window = Window(
+        device,
+        loss_scale,
+        schedule.num_microbatches * shards,
+        skip,
+        probed_options(options),
+        [],
+        share_dtype(shapes.loss.loss),
+    )
+    carry, per_tick = lax.scan(
+        lambda c, t: _one_tick(window, c, t),
+        _initial(window, shapes),
+        jnp.arange(schedule.num_ticks),
+        unroll=options.unroll,
+    )
+    return _results(carry, per_tick, schedule, static)
