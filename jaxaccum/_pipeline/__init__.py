@@ -26,7 +26,10 @@ backward the ``jax.vjp`` of its forward rebuilt from a ring of ``min(2 S -
 Zero-bubble (``schedule="zero-bubble"``) keeps 1F1B's ticks but its backward
 slot computes only the stage input's cotangent, and a W slot per tick, placed
 by a table built when the step is traced, computes the parameters' gradient
-later from the residual ring and a ring of stored cotangents.
+later from the residual ring and a ring of stored cotangents. Interleaved
+1F1B (``schedule="1f1b"`` with ``repeats > 1``) runs each device's R stages
+in Megatron's order: micro-batches in groups of S through every repeat,
+both rings circular.
 
 A schedule is a strategy: one class per schedule, owning its tick table,
 its device body, its ``shard_map`` and its result tail; ``_schedules`` maps
@@ -37,9 +40,11 @@ slots, neighbour rings, the bubble), ``_gpipe`` (``GPipe``: one device's
 GPipe or circular window, embed, the ticks, the losses, backward by
 autodiff), ``_1f1b`` and ``_1f1b_tick`` (``OneFOneB``: one device's 1F1B
 window and one tick of it, its backward included), ``_zero_bubble`` and
-``_zero_bubble_tick`` (``ZeroBubble``: its W table and one device's window),
-``_schedules`` (the
-names), ``_calls`` (the user's functions as the loop calls them: dtypes,
+``_zero_bubble_tick`` (``ZeroBubble``: its W table and one device's window;
+``_zero_bubble_split``, the stage's backward split at its jaxpr),
+``_interleaved`` and ``_interleaved_tick`` (``Interleaved``: its tick and
+ring tables and one device's window), ``_schedules`` (the names), ``_spec``
+(``PipelineWindow``: the core window and the layout), ``_calls`` (the user's functions as the loop calls them: dtypes,
 keys, remat, gated gradients), ``_device`` (what a device's window reads:
 its parameters, micro-batches, keys, fill), ``_run`` (what every schedule
 runs with and returns: the parameters laid out, ``shard_map``, the share),
