@@ -44,8 +44,9 @@ window and one tick of it, its backward included), ``_zero_bubble`` and
 ``_zero_bubble_split``, the stage's backward split at its jaxpr),
 ``_interleaved`` and ``_interleaved_tick`` (``Interleaved``: its tick and
 ring tables and one device's window), ``_schedules`` (the names), ``_spec``
-(``PipelineWindow``: the core window and the layout), ``_calls`` (the user's functions as the loop calls them: dtypes,
-keys, remat, gated gradients), ``_device`` (what a device's window reads:
+(``PipelineWindow``: the core window and the layout), ``_calls`` (the
+user's functions as the loop calls them: dtypes, keys, remat, gated
+gradients), ``_device`` (what a device's window reads:
 its parameters, micro-batches, keys, fill), ``_run`` (what every schedule
 runs with and returns: the parameters laid out, ``shard_map``, the share),
 ``_layout`` (the mesh, the stacked stages, FSDP, the call's checks,
