@@ -660,7 +660,7 @@ def test_plan_command_plans_the_pipelined_demo_on_8_devices():
     fitting = [float(row[5]) for row in table if row[10] == "yes"]
     assert len(fitting) < len(table), result.stdout
     assert len(chosen) == 1 and float(chosen[0][5]) == max(fitting), result.stdout
-    assert {row[1] for row in table} == {"gpipe", "1f1b"}, result.stdout
+    assert {row[1] for row in table} == {"gpipe", "1f1b", "zero-bubble"}, result.stdout
     assert "num_microbatches=" in result.stdout and "data_axis='data'" in result.stdout
     assert f"schedule={chosen[0][1]!r}" in result.stdout, result.stdout
 
