@@ -36,10 +36,10 @@ computed on masked inputs and selected away, beside GPipe, at S = 4 x data =
 
 And ``schedule="zero-bubble"`` at S = 4 x data = 2, M = S, 2S, 4S, 8S (its
 ``zero_bubble`` key): its modeled window against 1F1B's and the asynchronous
-ZB-H1's, its loop's collectives, its FLOPs against 1F1B's, its temporaries
-with and without remat (beside the rows' 1F1B ones), each slot's FLOPs
-against a forward's, and at M = 2S and 8S the window and temporaries with
-fewer stored cotangents (``ZeroBubble.max_stored``).
+ZB-H1's, its rings and inboxes, its loop's collectives and permutes, its
+FLOPs against 1F1B's, its temporaries with and without remat (beside the
+rows' 1F1B ones), each slot's FLOPs against a forward's, and the windows
+with each slot at its measured cost.
 
 Run: ``python benchmarks/pipeline.py``; writes ``benchmarks/results/pipeline.json``
 and prints a table. ``python benchmarks/pipeline.py --zero-bubble`` measures
@@ -50,7 +50,6 @@ import json
 import os
 import sys
 import time
-import unittest.mock
 
 # Before JAX starts its CPU backend (on first use, not at import).
 os.environ["XLA_FLAGS"] = (
@@ -60,7 +59,6 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from common import RESULTS, spread, write_json  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -69,7 +67,6 @@ import jaxaccum  # noqa: E402
 import jaxaccum.testing  # noqa: E402
 from jaxaccum._pipeline._1f1b import OneFOneB  # noqa: E402
 from jaxaccum._pipeline._1f1b_tick import backward, forward  # noqa: E402
-from jaxaccum._pipeline._schedules import SCHEDULES as REGISTERED  # noqa: E402
 from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow  # noqa: E402
 from jaxaccum._pipeline._step import make_pipeline  # noqa: E402
 from jaxaccum._pipeline._zero_bubble import ZeroBubble  # noqa: E402
@@ -362,7 +359,6 @@ def print_trade(trade: dict, timing: dict) -> None:
 
 ZERO_BUBBLE_STAGES = 4
 ZERO_BUBBLE_MICROBATCHES = (4, 8, 16, 32)  # S, 2S, 4S, 8S
-STORED_SLOTS = (1, 2, 3, 4, 5, 7)  # max_stored at S = 4 (K = 7: its default)
 
 
 def zero_bubble_slot_flops(remat: bool) -> dict:
@@ -406,46 +402,50 @@ def zero_bubble_slot_flops(remat: bool) -> dict:
     return {**ratios, "boundary_activations": sum(b.size for b in boundary) / y.size}
 
 
-def zero_bubble_row(num: int, stored: int | None = None) -> dict:
+def zero_bubble_row(num: int) -> dict:
     """``schedule="zero-bubble"`` at S = 4 x data = 2 and ``num``: the
-    modeled windows, the loop's collectives, FLOPs against 1F1B's and
-    temporaries (with and without remat); with ``stored``, at most that
-    many stored cotangents (``ZeroBubble.max_stored``; FLOPs not taken)."""
+    modeled windows, the grid's rings and inboxes, the loop's collectives
+    and permutes a window (the lockstep's overhead: a tick a slot, both
+    permutes each), FLOPs against 1F1B's and temporaries (with and without
+    remat)."""
     num_stages = ZERO_BUBBLE_STAGES
     mesh = jax.make_mesh((num_stages, NUM_DEVICES // num_stages), ("stage", "data"))
     params, batch = model(num_stages, ROWS * num * (NUM_DEVICES // num_stages))
-    capped = type("Capped", (ZeroBubble,), {"max_stored": stored})
-    schedule = capped(num_stages, num)
-    one = OneFOneB(num_stages, num).modeled_window()
-    activation, ratio = ROWS * WIDTH * 4, None
-    with unittest.mock.patch.dict(REGISTERED, {"zero-bubble": capped}):
-        compiled = {
-            remat: compile_step(
-                mesh, num, params, batch, remat=remat, schedule="zero-bubble"
-            )
-            for remat in (False, True)
-        }
-        if stored is None:  # the default's FLOPs, against 1F1B's
-            unrolled = compile_step(
-                mesh, num, params, batch, unroll=True, schedule="zero-bubble"
-            )
-            one_f_one_b = compile_step(
-                mesh, num, params, batch, unroll=True, schedule="1f1b"
-            )
-            ratio = flops(unrolled) / flops(one_f_one_b)
+    schedule, one = ZeroBubble(num_stages, num), OneFOneB(num_stages, num)
+    grid = schedule.grid()
+    activation = ROWS * WIDTH * 4
+    compiled = {
+        remat: compile_step(
+            mesh, num, params, batch, remat=remat, schedule="zero-bubble"
+        )
+        for remat in (False, True)
+    }
+    unrolled = {
+        kind: compile_step(mesh, num, params, batch, unroll=True, schedule=kind)
+        for kind in ("zero-bubble", "1f1b")
+    }
+    window, one_window = schedule.modeled_window(), one.modeled_window()
+    w_only = schedule.num_ticks - schedule.loop_ticks
+    remat = ZeroBubble.for_window(num_stages, num, 1, True)
     return {
-        "stored_slots": schedule.stored_size,
+        "remat_modeled_window": remat.modeled_window(),
+        "remat_ratio_to_1f1b": remat.modeled_window() / one_window,
+        "remat_stored_slots": remat.stored_size,
+        "remat_w_only_ticks": remat.num_ticks - remat.loop_ticks,
         "ring_slots": schedule.ring_size,
+        "stored_slots": schedule.stored_size,
+        "inbox_slots": grid.inbox_size + grid.back_size,
         "loop_ticks": schedule.loop_ticks,
-        "appended_ticks": schedule.num_ticks - schedule.loop_ticks,
-        "modeled_window": schedule.modeled_window(),
-        "one_f_one_b_window": one,
+        "w_only_ticks": w_only,
+        "permutes": 2 * schedule.loop_ticks,
+        "one_f_one_b_permutes": 2 * one.num_ticks,
+        "modeled_window": window,
+        "one_f_one_b_window": one_window,
         "async_zb_h1_window": 3.0 * num + num_stages - 1,
-        "ratio_to_1f1b": schedule.modeled_window() / one,
-        "async_ratio_to_1f1b": (3.0 * num + num_stages - 1) / one,
-        "flops_over_1f1b": ratio,
-        "flops_formula": 1
-        + (schedule.num_ticks - schedule.loop_ticks) / (3 * schedule.loop_ticks),
+        "ratio_to_1f1b": window / one_window,
+        "async_ratio_to_1f1b": (3.0 * num + num_stages - 1) / one_window,
+        "flops_over_1f1b": flops(unrolled["zero-bubble"]) / flops(unrolled["1f1b"]),
+        "flops_formula": (3 * schedule.loop_ticks + w_only) / (3 * one.num_ticks),
         "collectives": collectives(compiled[False]),
         "temp_activations": compiled[False].memory_analysis().temp_size_in_bytes
         / activation,
@@ -454,38 +454,41 @@ def zero_bubble_row(num: int, stored: int | None = None) -> dict:
     }
 
 
-def window_at_costs(num: int, costs: dict) -> dict:
+def window_at_costs(num: int, costs: dict, remat: bool) -> dict:
     """The modeled windows of 1F1B and zero-bubble at S = 4 with each slot
     at its measured cost (``costs``: :func:`zero_bubble_slot_flops`) instead
-    of F = 1, B = 2 unsplit, B = W = 1 split."""
+    of F = 1, B = 2 unsplit, B = W = 1 split; zero-bubble on the tables it
+    runs with ``remat`` and on the other's."""
     one = OneFOneB(ZERO_BUBBLE_STAGES, num)
     busy = one.busy_table()
     forward_slots, backward_slots = busy % 2 == 1, busy >= 2
-    zero_bubble = ZeroBubble(ZERO_BUBBLE_STAGES, num)
-    pad = ((0, 0), (0, zero_bubble.num_ticks - one.num_ticks))
-    split = (
-        np.pad(forward_slots * costs["forward"], pad)
-        + np.pad(backward_slots * costs["input_b"], pad)
-        + (zero_bubble.weight_table() >= 0) * costs["weight_w"]
-    )
+    other = ZeroBubble.for_window(ZERO_BUBBLE_STAGES, num, 1, not remat).grid()
+    grid = ZeroBubble.for_window(ZERO_BUBBLE_STAGES, num, 1, remat).grid()
+
+    def window(grid) -> float:
+        split = (
+            (grid.forward >= 0) * costs["forward"]
+            + (grid.backward >= 0) * costs["input_b"]
+            + (grid.weight >= 0) * costs["weight_w"]
+        )
+        return float(split.max(axis=0).sum())
+
     unsplit = forward_slots * costs["forward"] + backward_slots * costs["backward_1f1b"]
     windows = {
         "one_f_one_b": float(unsplit.max(axis=0).sum()),
-        "zero_bubble": float(split.max(axis=0).sum()),
+        "zero_bubble": window(grid),
+        "other_tables": window(other),
     }
-    return {**windows, "ratio": windows["zero_bubble"] / windows["one_f_one_b"]}
+    return {
+        **windows,
+        "ratio": windows["zero_bubble"] / windows["one_f_one_b"],
+        "other_ratio": windows["other_tables"] / windows["one_f_one_b"],
+    }
 
 
 def zero_bubble_section() -> dict:
-    """Zero-bubble's figures: per M its row (the default, K stored
-    cotangents), the slots' FLOPs, and at M = 2 S and 8 S the trade of
-    stored cotangents for window."""
+    """Zero-bubble's figures: per M its row and the slots' FLOPs."""
     rows = {f"M{num}": zero_bubble_row(num) for num in ZERO_BUBBLE_MICROBATCHES}
-    capped = {
-        f"M{num}_stored{stored}": zero_bubble_row(num, stored)
-        for num in (8, 32)
-        for stored in STORED_SLOTS[:-1]
-    }
     slots = {
         "plain": zero_bubble_slot_flops(False),
         "remat": zero_bubble_slot_flops(True),
@@ -494,10 +497,9 @@ def zero_bubble_section() -> dict:
         "stages": ZERO_BUBBLE_STAGES,
         "data_shards": NUM_DEVICES // ZERO_BUBBLE_STAGES,
         "rows": rows,
-        "stored": capped,
         "slot_flops": slots,
         "window_at_measured_costs": {
-            f"M{num}_{kind}": window_at_costs(num, costs)
+            f"M{num}_{kind}": window_at_costs(num, costs, kind == "remat")
             for num in ZERO_BUBBLE_MICROBATCHES
             for kind, costs in slots.items()
         },

@@ -45,6 +45,7 @@ from jaxaccum._hlo import collective_bytes, find_collectives, window_bytes
 from jaxaccum._pipeline._interleaved import Interleaved
 from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._step import make_pipeline
+from jaxaccum._pipeline._zero_bubble import ZeroBubble
 
 INPUTS, FEATURES, OUTPUTS = 4, 16, 2
 ROWS = 4  # rows of one micro-batch on one data shard
@@ -259,7 +260,9 @@ class Case:
             return Interleaved(
                 self.num_stages, self.num_microbatches, self.repeats
             ).num_ticks
-        if self.schedule in ("1f1b", "zero-bubble"):  # the loop's: permutes
+        if self.schedule == "zero-bubble":  # the loop's: the ticks with permutes
+            return ZeroBubble(self.num_stages, self.num_microbatches).loop_ticks
+        if self.schedule == "1f1b":
             return self.num_microbatches + 2 * (self.num_stages - 1)
         return self.num_microbatches * self.repeats + self.num_stages - 1
 

@@ -40,6 +40,7 @@ from pipeline_checks import (
     wide_temps,
 )
 
+from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._1f1b_tick import backward, forward
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
 from jaxaccum._pipeline._zero_bubble_split import (
@@ -54,8 +55,8 @@ SCHEDULE = "zero-bubble"
 def check_exact_matrix():
     """check_exact over ZERO_BUBBLE: equal to the sequential model,
     gradients sharded as the parameters, in the loop only the two
-    collective-permutes, M + 2 (S - 1) times (the appended W ticks are a
-    loop of their own with no collectives)."""
+    collective-permutes, once a tick to the last F or B (the W-only ticks
+    after it are a loop of their own with no collectives)."""
     errors = {}
     for name, *_ in ZERO_BUBBLE:
         detail = check_exact(name, schedule=SCHEDULE)
@@ -173,16 +174,16 @@ def slot_flops(remat: bool) -> dict[str, float]:
 
 def check_memory_and_slots():
     """At S = 4: temporaries per device (memory_analysis, in activations)
-    flat in M (8 S within 1.25x of 2 S), 1F1B's and the stored boundaries'
-    ring of K slots (one activation a slot for this one-layer stage; the
-    issue's 1.25x of 1F1B's is not met at K = 2 S - 1: 1.28x, 1.61x with
-    remat; benchmarks/pipeline.py trades window for fewer slots), with and
-    without remat; each slot's FLOPs against the forward's
-    (B and W each about a forward without remat, their sum 1F1B's
-    backward; with remat B recomputes the forward and W reads what it
-    recomputed); the whole program's FLOPs against 1F1B's: its loop ticks
-    hold the same work, the appended ticks' W's added (XLA counts every
-    slot's conditional, skipped or not)."""
+    flat in M (8 S within 1.25x of 2 S): 1F1B's ring of K slots, the
+    stored boundaries' (at most S, K with remat; one activation a slot for
+    this one-layer stage), the two inboxes (an activation each) and at most two
+    activations of the slots' own, with and without remat; each slot's
+    FLOPs against the forward's (B and W each about a forward without
+    remat, their sum 1F1B's backward; with remat B recomputes the forward
+    and W reads what it recomputed); the whole program's FLOPs against
+    1F1B's: XLA counts every slot's conditional, skipped or not, so each
+    loop tick counts an F, a B and a W (3 against 1F1B's F and backward's
+    3) and each tick after the loop a W."""
     stages, temps = 4, {}
     for kind, remat, num in itertools.product(
         (SCHEDULE, "1f1b"), (False, True), (2 * stages, 8 * stages)
@@ -192,11 +193,11 @@ def check_memory_and_slots():
         small, big = (temps[SCHEDULE, remat, n] for n in (2 * stages, 8 * stages))
         assert big <= 1.25 * small, temps
         for num in (2 * stages, 8 * stages):
-            # 1F1B's and the stored cotangents' ring (K activations), and
-            # at most two activations of the B and W slots' own (and scalars).
-            stored = ZeroBubble(stages, num).stored_size
+            grid = ZeroBubble.for_window(stages, num, 1, remat).grid()
+            assert grid.stored_size <= (min(2 * stages - 1, num) if remat else stages)
+            held = grid.stored_size + grid.inbox_size + grid.back_size
             extra = temps[SCHEDULE, remat, num] - temps["1f1b", remat, num]
-            assert stored <= extra <= stored + 2.05, (stored, temps)
+            assert held <= extra <= held + 2.05, (held, temps)
     slots = {remat: slot_flops(remat) for remat in (False, True)}
     plain = slots[False]
     for part in ("input_b", "weight_w"):
@@ -211,7 +212,8 @@ def check_memory_and_slots():
     }
     schedule = ZeroBubble(stages, num)
     appended = schedule.num_ticks - schedule.loop_ticks
-    formula = 1 + appended / (3 * schedule.loop_ticks)
+    one_ticks = OneFOneB(stages, num).num_ticks
+    formula = (3 * schedule.loop_ticks + appended) / (3 * one_ticks)
     ratio = flops[SCHEDULE] / flops["1f1b"]
     assert abs(ratio / formula - 1) <= 0.05, (ratio, formula)
     temp_text = ", ".join(

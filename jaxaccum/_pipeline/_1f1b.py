@@ -106,6 +106,16 @@ class OneFOneB(Schedule):
         backward = (iteration >= 0) & (iteration < self.num_microbatches)
         return forward * 1.0 + backward * 2.0
 
+    def loss_ticks(self) -> np.ndarray:
+        """``(M,)``: the tick the last device takes each micro-batch's loss,
+        ``m + S - 1``."""
+        return np.arange(self.num_microbatches) + self.lag
+
+    def embed_ticks(self) -> np.ndarray:
+        """``(M,)``: the tick the first device runs each micro-batch's
+        embedding backward, ``m + 2 (S - 1)``."""
+        return np.arange(self.num_microbatches) + 2 * self.lag
+
     def stage_gradient_table(self) -> np.ndarray:
         """A stage's gradient at a tick is its backward slot's."""
         ticks = np.arange(self.num_ticks)[None, :]
@@ -229,15 +239,20 @@ def run_window(
 
 def window_results(carry: Any, per_tick: tuple, schedule: OneFOneB, fsdp_dims, options):
     """The loop's carry and per-tick outputs as :func:`run_window` returns
-    them."""
-    num, lag = schedule.num_microbatches, schedule.lag
+    them: each micro-batch's loss and head probe from its loss tick, its
+    embedding probe from its embedding backward's (the schedule's
+    ``loss_ticks`` and ``embed_ticks``)."""
+    num = schedule.num_microbatches
     loss, weight, embed_sq, stage_sq, head_sq = per_tick
+    losses, embeds = schedule.loss_ticks(), schedule.embed_ticks()
 
-    def on(x: PyTree, start: int) -> Any:  # the ticks of micro-batches 0..M-1
-        return jax.tree.map(lambda y: y[start : start + num].reshape(1, 1, num), x)
+    def on(x: PyTree, ticks: np.ndarray) -> Any:
+        return jax.tree.map(lambda y: y[ticks].reshape(1, 1, num), x)
 
-    per_micro = LossOut(on(loss, lag), on(weight, lag), ())
-    probes = Probes(on(embed_sq, 2 * lag), stage_sq.reshape(1, 1, -1), on(head_sq, lag))
+    per_micro = LossOut(on(loss, losses), on(weight, losses), ())
+    probes = Probes(
+        on(embed_sq, embeds), stage_sq.reshape(1, 1, -1), on(head_sq, losses)
+    )
     sums = lax.psum(carry.sums, options.layout.manual_axes)
     grads = reduced(carry.grads, fsdp_dims, options)
     return sums, per_micro, grads, probes

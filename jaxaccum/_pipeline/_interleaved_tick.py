@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._accum_dtypes import accum_dtype_for
-from jaxaccum._pipeline._1f1b import reduced, ring_slots
+from jaxaccum._pipeline._1f1b import ring_slots, window_results
 from jaxaccum._pipeline._1f1b_tick import (
     Carry,
     Message,
@@ -31,10 +31,8 @@ from jaxaccum._pipeline._1f1b_tick import (
     stage_call,
     unshare,
 )
-from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import (
     Device,
-    Probes,
     Shapes,
     Static,
     fill_like,
@@ -45,7 +43,7 @@ from jaxaccum._pipeline._device import (
 )
 from jaxaccum._pipeline._run import share_dtype
 from jaxaccum._pipeline._stats import probed as probed_options
-from jaxaccum._types import Batch, PyTree
+from jaxaccum._types import Batch
 
 if TYPE_CHECKING:
     from jaxaccum._pipeline._interleaved import Interleaved
@@ -209,26 +207,6 @@ def _initial(window: Window, shapes: Shapes) -> Carry:
     return varying(carry, axes_of(device))
 
 
-def _results(carry: Carry, per_tick: tuple, schedule: "Interleaved", static: Static):
-    """The loop's carry and per-tick outputs as :func:`run_window` returns
-    them: each micro-batch's loss and head probe from its loss tick, its
-    embedding probe from its embedding backward's tick."""
-    num, options = schedule.num_microbatches, static.options
-    loss, weight, embed_sq, stage_sq, head_sq = per_tick
-    losses, embeds = schedule.loss_ticks(), schedule.embed_ticks()
-
-    def on(x: PyTree, ticks: Any) -> Any:
-        return jax.tree.map(lambda y: y[ticks].reshape(1, 1, num), x)
-
-    per_micro = LossOut(on(loss, losses), on(weight, losses), ())
-    probes = Probes(
-        on(embed_sq, embeds), stage_sq.reshape(1, 1, -1), on(head_sq, losses)
-    )
-    sums = lax.psum(carry.sums, options.layout.manual_axes)
-    grads = reduced(carry.grads, static.fsdp_dims, options)
-    return sums, per_micro, grads, probes
-
-
 def run_window(
     static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
 ):
@@ -253,4 +231,4 @@ def run_window(
         jnp.arange(schedule.num_ticks),
         unroll=options.unroll,
     )
-    return _results(carry, per_tick, schedule, static)
+    return window_results(carry, per_tick, schedule, static.fsdp_dims, options)

@@ -141,8 +141,9 @@ def plan_pipeline(
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
 
     def efficiency_of(num: int, config: tuple) -> float:
-        ticks = schedule_type(config[0], repeats)(num_stages, num, repeats)
-        return efficiency(ticks, config[1], recompute)
+        kind, remat = config
+        ticks = schedule_type(kind, repeats).for_window(num_stages, num, repeats, remat)
+        return efficiency(ticks, remat, recompute)
 
     def measure(num: int, config: tuple) -> PipelinePlanRow:
         kind, remat = config
@@ -151,7 +152,7 @@ def plan_pipeline(
             base, num_microbatches=num, remat=remat, layout=pipeline
         )
         row = _measure(functions, call, mesh, (params, microbatch, key))
-        ticks = schedule_type(kind, repeats)(num_stages, num, repeats)
+        ticks = schedule_type(kind, repeats).for_window(num_stages, num, repeats, remat)
         return dataclasses.replace(
             row,
             bubble=ticks.bubble_fraction,

@@ -59,6 +59,15 @@ class Schedule(abc.ABC):
         self.check_repeats(self.repeats)
 
     @classmethod
+    def for_window(
+        cls, num_stages: int, num_microbatches: int, repeats: int, remat: Any
+    ) -> "Schedule":
+        """The schedule of a window with ``remat`` (the same for every
+        ``remat`` unless a schedule says otherwise)."""
+        del remat
+        return cls(num_stages, num_microbatches, repeats)
+
+    @classmethod
     def check_repeats(cls, repeats: int) -> None:
         """Refuses a ``repeats`` the schedule is not built for, saying why
         (every ``repeats`` is, unless a schedule says otherwise)."""

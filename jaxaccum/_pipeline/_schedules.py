@@ -47,4 +47,6 @@ def schedule_on(mesh: Any, options: PipelineWindow) -> Schedule:
     num = options.num_microbatches
     assert num is not None, "the step resolves microbatch_size to M first"
     cls = schedule_type(layout.schedule, layout.repeats)
-    return cls(mesh.shape[layout.stage_axis], num, layout.repeats)
+    return cls.for_window(
+        mesh.shape[layout.stage_axis], num, layout.repeats, options.remat
+    )

@@ -1,125 +1,308 @@
 """Zero-bubble in one program (Qi et al., "Zero Bubble Pipeline
-Parallelism", ICLR 2024; the lockstep form of their ZB-H1): 1F1B's forward
-and backward slots at 1F1B's ticks, with the same neighbour permutes, but
-the backward slot computes only the stage input's cotangent (B, the one the
-stage before waits for: its half of the stage's backward, split at the
-jaxpr by ``_zero_bubble_split``) and stores what the other half reads (the
-boundary: the cotangents inside the stage) in a second ring beside 1F1B's
-residual ring. A third slot per tick, W, computes one micro-batch's stage
-parameter gradient from the two rings; the W table
-(:func:`weight_table`, built when the step is traced) defers each W into a
-tick whose busiest device it does not lengthen, so the window's modeled
-time falls below 1F1B's ``3 (M + S - 1)``. The W's a device still owes when
-the loop ends run in a few ticks appended after it (W slots only, no
-permutes)."""
+Parallelism", ICLR 2024; their ZB-H1 in lockstep): each stage's backward is
+split into its input part B (the stage input's cotangent, the one the stage
+before waits for; split at the jaxpr by ``_zero_bubble_split``) and its
+weight part W (the stage parameters' gradient, from the boundary B stored),
+and each tick gives a device an F, a B and a W slot where the tables
+(:class:`Grid`, built when the step is traced) put a micro-batch, with both
+neighbour permutes. Without remat (F = B = W) the tables are a grid of one
+slot a tick (:func:`_one_slot`): B first, then F while the device holds
+fewer than ``S - d`` micro-batches between F and B, then W, which it must
+run once ``S`` are stored; its modeled window is the asynchronous ZB-H1's
+``3 M + S - 1`` for ``M >= S``. With remat B recomputes the forward (B =
+2 F) and a grid would pay a B's tick on every tick: F and B keep 1F1B's
+ticks and each W is deferred into a tick it does not lengthen
+(:func:`_deferred_weights`). Activations and cotangents that arrive before
+their slot wait in inboxes."""
 
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxaccum._pipeline._1f1b import OneFOneB
+from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._pipeline._zero_bubble_tick import run_window
 
 
-@functools.lru_cache(maxsize=256)
-def weight_table(num_stages: int, num_microbatches: int, stored: int) -> np.ndarray:
-    """``(S, T)`` int: the micro-batch whose W device ``d`` runs at tick
-    ``t``, or -1; ``T`` is 1F1B's ``M + 2 (S - 1)`` ticks and those appended.
+class Grid(NamedTuple):
+    """A zero-bubble window's tables, ``(S, T)`` ints: the micro-batch
+    whose F, B or W each device runs at each tick, or -1; and the slots
+    its rings and inboxes need (each the most a device holds at once).
 
-    Greedy, tick by tick: a device runs its oldest pending W (its B done,
-    in this tick or before) when that does not lengthen the tick (its F and
-    B slots leave room under the busiest device's), in an appended tick, or
-    when its slots are due: micro-batch ``m``'s residual slot is ``m + K``'s
-    from that one's forward (tick ``m + K + d``), its stored cotangent's
-    slot ``m + stored``'s from that one's B (tick ``m + stored + 2 (S - 1)
-    - d``); the W runs in a tick before. With ``stored = K`` its modeled
-    window is the integer program's optimum with one W slot a tick for
-    ``S`` in 2..8, ``M`` in 1..32 (``benchmarks/pipeline_zero_bubble.py``)."""
-    one = OneFOneB(num_stages, num_microbatches)
+    Attributes:
+      forward: the F table.
+      backward: the B table.
+      weight: the W table.
+      ring_size: residuals held from F to W.
+      stored_size: boundaries held from B to W.
+      inbox_size: activations held from their arrival to their F.
+      back_size: cotangents held from their arrival (on the last device,
+        the loss's, from its F) to their B.
+      x_arrival: the micro-batch whose activation arrives at each tick, or
+        -1 (the previous device's F of the tick before).
+      back_arrival: the micro-batch whose cotangent arrives at each tick,
+        or -1 (the next device's B of the tick before).
+    """
+
+    forward: np.ndarray
+    backward: np.ndarray
+    weight: np.ndarray
+    ring_size: int
+    stored_size: int
+    inbox_size: int
+    back_size: int
+    x_arrival: np.ndarray
+    back_arrival: np.ndarray
+
+
+def _one_slot(num_stages: int, num: int) -> tuple[np.ndarray, ...]:
+    """The F, B and W tables of one slot a tick, tick by tick: a device
+    runs its next B when its F is done and the cotangent has arrived (a
+    tick after the next device's B; on the last device a tick after its
+    F), else its next F when the activation has arrived and it holds fewer
+    than ``S - d`` between F and B, else its next W; it runs the W first
+    once ``S`` boundaries are stored."""
+    stages = range(num_stages)
+    f_at = np.full((num_stages, num), 1 << 30)
+    b_at = np.full((num_stages, num), 1 << 30)
+    nf, nb, nw = (np.zeros(num_stages, int) for _ in range(3))
+    columns = []
+    tick = 0
+    while (nw < num).any():
+        column = np.full((3, num_stages), -1)
+        for d in stages:
+            f, b = nf[d], nb[d]
+            if nb[d] - nw[d] >= num_stages:
+                column[2, d] = nw[d]
+            elif (
+                b < num
+                and f_at[d, b] < tick
+                and (d == num_stages - 1 or b_at[d + 1, b] < tick)
+            ):
+                column[1, d] = b
+            elif (
+                f < num
+                and (d == 0 or f_at[d - 1, f] < tick)
+                and f - nb[d] < num_stages - d
+            ):
+                column[0, d] = f
+            elif nw[d] < nb[d]:
+                column[2, d] = nw[d]
+        for d in stages:
+            if column[0, d] >= 0:
+                f_at[d, nf[d]], nf[d] = tick, nf[d] + 1
+            if column[1, d] >= 0:
+                b_at[d, nb[d]], nb[d] = tick, nb[d] + 1
+            nw[d] += column[2, d] >= 0
+        columns.append(column)
+        tick += 1
+    return tuple(np.stack(columns, axis=-1))  # 3 x (S, T)
+
+
+def _held(start: np.ndarray, end: np.ndarray) -> int:
+    """The most micro-batches a device holds at once, each from its tick
+    in ``start`` (``(S, M)``, inclusive) to the one in ``end`` (exclusive
+    of the tick after it: a slot read at a tick is free at the next)."""
+    ticks = np.arange(int(end.max()) + 1)[:, None, None]
+    live = (start[None] <= ticks) & (ticks <= end[None])
+    return int(live.sum(axis=-1).max())
+
+
+def _ticks_of(table: np.ndarray) -> np.ndarray:
+    """``(S, M)``: the tick of each device's slot of each micro-batch."""
+    stages, num = table.shape[0], int(table.max()) + 1
+    at = np.zeros((stages, num), int)
+    for d in range(stages):
+        ticks = np.flatnonzero(table[d] >= 0)
+        at[d, table[d, ticks]] = ticks
+    return at
+
+
+def _deferred_weights(num_stages: int, num: int) -> tuple[np.ndarray, ...]:
+    """The F, B and W tables with F and B at 1F1B's ticks and the W's
+    placed greedily, tick by tick: a device runs its oldest pending W (its
+    B done, in this tick or before) when that does not lengthen the tick
+    (its F and B leave room under the busiest device's), in a tick after
+    1F1B's, or when its slots are due: micro-batch ``m``'s residual slot is
+    ``m + K``'s from that one's F (tick ``m + K + d``), its boundary's slot
+    ``m + K``'s from that one's B (tick ``m + K + 2 (S - 1) - d``). Its
+    modeled window is the integer program's optimum for this placement
+    (``benchmarks/pipeline_zero_bubble.py``)."""
+    one = OneFOneB(num_stages, num)
     busy, ring, lag = one.busy_table(), one.ring_size, one.lag
     mandatory = (busy % 2 == 1).astype(int) + (busy >= 2).astype(int)  # F + B
     stage = np.arange(num_stages)
     done = np.zeros(num_stages, int)  # the W's each device has run
     columns = []
     tick = 0
-    while (done < num_microbatches).any():
+    while (done < num).any():
         own = mandatory[:, tick] if tick < one.num_ticks else np.zeros_like(done)
-        ready = done < np.clip(tick - 2 * lag + stage + 1, 0, num_microbatches)
-        residual = (done + ring < num_microbatches) & (done + ring + stage <= tick + 1)
-        cotangent = (done + stored < num_microbatches) & (
-            done + stored + 2 * lag - stage <= tick + 1
-        )
-        due = ready & (residual | cotangent)
+        ready = done < np.clip(tick - 2 * lag + stage + 1, 0, num)
+        due = (done + ring < num) & (done + ring + stage <= tick + 1)
+        due |= (done + ring < num) & (done + ring + 2 * lag - stage <= tick + 1)
+        due &= ready
         longest = (own + due).max()
         runs = ready & (due | (own + 1 <= longest) | (longest == 0))
         columns.append(np.where(runs, done, -1))
         done = done + runs
         tick += 1
-    table = np.stack(columns, axis=1)
-    table.flags.writeable = False
-    return table
+    weight = np.stack(columns, axis=1)
+    ticks = np.arange(weight.shape[1])[None, :]
+    forward = ticks - stage[:, None]
+    backward = ticks - 2 * lag + stage[:, None]
+    forward = np.where((forward >= 0) & (forward < num), forward, -1)
+    backward = np.where((backward >= 0) & (backward < num), backward, -1)
+    return forward, backward, weight
+
+
+@functools.lru_cache(maxsize=256)
+def grid(num_stages: int, num_microbatches: int, recomputes: bool = False) -> Grid:
+    """The :class:`Grid` of ``S`` devices and ``M`` micro-batches: one slot
+    a tick, or with ``recomputes`` (remat) 1F1B's ticks and deferred W's."""
+    build = _deferred_weights if recomputes else _one_slot
+    forward, backward, weight = build(num_stages, num_microbatches)
+    f_at, b_at, w_at = (_ticks_of(t) for t in (forward, backward, weight))
+    arrives = np.concatenate([f_at[:1], f_at[:-1] + 1])  # the first: embedded
+    handed = np.concatenate([b_at[1:] + 1, f_at[-1:]])  # the last: its loss
+    x_arrival, back_arrival = np.full_like(forward, -1), np.full_like(forward, -1)
+    x_arrival[1:, 1:], back_arrival[:-1, 1:] = forward[:-1, :-1], backward[1:, :-1]
+    for table in (forward, backward, weight, x_arrival, back_arrival):
+        table.flags.writeable = False
+    return Grid(
+        forward,
+        backward,
+        weight,
+        _held(f_at, w_at),
+        _held(b_at, w_at),
+        _held(arrives, f_at),
+        _held(handed, b_at),
+        x_arrival,
+        back_arrival,
+    )
+
+
+def _column(table: np.ndarray, tick: Any, stage: Any) -> tuple[Any, Any]:
+    micro = jnp.asarray(table)[stage, tick]
+    return micro >= 0, jnp.maximum(micro, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeroBubble(OneFOneB):
-    """Zero-bubble in one program: 1F1B's ticks with the backward split into
-    its input part B (1F1B's backward slot) and its weight part W (a slot of
-    its own, placed by :func:`weight_table`), then the ticks the W's still
-    owed need. The activation memory is 1F1B's ring of ``K = min(2 S - 1,
-    M)`` residual slots and a ring as long of B's boundaries (for a stage
-    of ``L`` dense layers, ``L`` activations a slot: the cotangent at each
-    layer's output; with remat also what B recomputed and W reads).
-    ``repeats=1`` only."""
+    """Zero-bubble in one program on its :func:`grid`: without remat one F,
+    B or W slot per device a tick, ``3 M + S - 1`` ticks for ``M >= S``;
+    with remat (``recomputes``) 1F1B's ticks and W's deferred, then ticks
+    of W slots only (those after the last F and B are a loop without
+    permutes). The activation memory is 1F1B's ring of ``min(2 S - 1, M)``
+    residual slots, a ring of B's boundaries (at most ``S`` slots without
+    remat, ``min(2 S - 1, M)`` with; for a stage of ``L`` dense layers,
+    ``L`` activations a slot) and the inboxes (an activation each).
+    ``repeats=1`` only.
+
+    Attributes:
+      recomputes: whether B recomputes the stage's forward (remat), which
+        chooses the tables.
+    """
 
     name: ClassVar[str] = "zero-bubble"
-    # The most stored boundaries a device keeps (None: the ring's K, the
-    # least window); fewer cost window for memory (benchmarks/pipeline.py).
-    max_stored: ClassVar[int | None] = None
+    recomputes: bool = False
+
+    @classmethod
+    def for_window(
+        cls, num_stages: int, num_microbatches: int, repeats: int, remat: Any
+    ) -> "ZeroBubble":
+        """The schedule of a window with ``remat`` (any but False
+        recomputes)."""
+        return cls(num_stages, num_microbatches, repeats, remat is not False)
 
     @classmethod
     def check_repeats(cls, repeats: int) -> None:
         if repeats > 1:
             raise ValueError(
                 f"schedule='zero-bubble' with repeats={repeats} is not built: "
-                "its W slots are placed on 1F1B's ticks, which run one stage "
-                "per device. Use repeats=1 with 'zero-bubble' or '1f1b', or "
-                "schedule='gpipe' for the circular schedule."
+                "its grid runs one stage per device. Use repeats=1 with "
+                "'zero-bubble' or '1f1b', or schedule='1f1b' with repeats > 1 "
+                "(interleaved) or 'gpipe' (circular)."
             )
+
+    def grid(self) -> Grid:
+        """The schedule's :class:`Grid`."""
+        return grid(self.num_stages, self.num_microbatches, self.recomputes)
+
+    @property
+    def ring_size(self) -> int:
+        """The residual slots a device keeps: ``min(2 S - 1, M)``."""
+        return self.grid().ring_size
 
     @property
     def stored_size(self) -> int:
-        """The stored boundaries' slots: ``K``, or ``max_stored`` if fewer."""
-        return min(self.max_stored or self.ring_size, self.ring_size)
+        """The stored boundaries' slots: at most ``S`` (``K`` with remat)."""
+        return self.grid().stored_size
 
     def weight_table(self) -> np.ndarray:
         """``(S, T)``: the micro-batch whose W each device runs at each tick,
-        or -1 (:func:`weight_table`)."""
-        return weight_table(self.num_stages, self.num_microbatches, self.stored_size)
+        or -1."""
+        return self.grid().weight
 
     @property
     def loop_ticks(self) -> int:
-        """The ticks with forward and B slots and the permutes: 1F1B's."""
-        return self.num_microbatches + 2 * self.lag
+        """The ticks up to the last F or B, each with both permutes."""
+        grid = self.grid()
+        busy = ((grid.forward >= 0) | (grid.backward >= 0)).any(axis=0)
+        return int(np.flatnonzero(busy)[-1]) + 1
 
     @property
     def num_ticks(self) -> int:
-        """1F1B's ticks and those appended for the W's still owed."""
-        return int(self.weight_table().shape[1])
+        """The grid's ticks, the loop's and the W slots' after it."""
+        return int(self.grid().weight.shape[1])
+
+    def at(self, tick: Any, stage: Any) -> Tick:
+        """The F slot of the device of ``stage`` at ``tick``."""
+        valid, micro = _column(self.grid().forward, tick, stage)
+        zero = jnp.zeros_like(micro)
+        return Tick(
+            valid=valid,
+            microbatch=micro,
+            repeat=zero,
+            layer=zero + stage,
+            enters=valid & (stage == 0),
+            exits=valid & (stage == self.num_stages - 1),
+        )
+
+    def backward_at(self, tick: Any, stage: Any) -> tuple[Any, Any]:
+        """Whether the device of ``stage`` runs a B slot at ``tick``, and the
+        micro-batch's (0 where not)."""
+        return _column(self.grid().backward, tick, stage)
 
     def busy_table(self) -> np.ndarray:
-        """A forward, a B and a W slot, 1 each, where they carry a micro-batch
-        (a bubble's slots are skipped)."""
-        one = OneFOneB(self.num_stages, self.num_microbatches).busy_table()
-        split = (one % 2 == 1) * 1.0 + (one >= 2) * 1.0
-        split = np.pad(split, ((0, 0), (0, self.num_ticks - self.loop_ticks)))
-        return split + (self.weight_table() >= 0)
+        """An F, a B and a W slot, 1 each, where they carry a micro-batch (a
+        device's idle ticks are skipped)."""
+        grid = self.grid()
+        tables = (grid.forward, grid.backward, grid.weight)
+        return np.sum([(table >= 0) * 1.0 for table in tables], axis=0)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the modeled window a device is idle, ``1 - 3 M /
+        window``: without remat ``(S - 1) / (3 M + S - 1)`` for ``M >= S``."""
+        return 1.0 - self.useful_work / self.modeled_window()
 
     def stage_gradient_table(self) -> np.ndarray:
         """A stage's gradient at a tick is its W slot's."""
         return self.weight_table()[..., None] == np.arange(self.num_microbatches)
+
+    def loss_ticks(self) -> np.ndarray:
+        """``(M,)``: the tick the last device takes each micro-batch's loss
+        (its F)."""
+        return _ticks_of(self.grid().forward)[-1]
+
+    def embed_ticks(self) -> np.ndarray:
+        """``(M,)``: the tick the first device runs each micro-batch's
+        embedding backward (its B)."""
+        return _ticks_of(self.grid().backward)[0]
 
     def device_window(self) -> Callable[..., tuple]:
         """One device's window under ``shard_map``: the zero-bubble

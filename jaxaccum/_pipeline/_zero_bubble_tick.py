@@ -1,9 +1,12 @@
-"""One device's zero-bubble window (``_zero_bubble``): 1F1B's forward slot
-and loss (``_1f1b_tick``), the B slot (B's half of the stage's backward,
-``_zero_bubble_split``: the stage input's cotangent from the residual ring,
-handed back; the boundary W reads stored), the W slot (W's half: the stage
-parameters' gradient of the table's micro-batch, from both rings), the
-neighbour permutes; then the W slots of the appended ticks."""
+"""One device's zero-bubble window (``_zero_bubble``), tick by tick on
+its grid: what arrived written to the inboxes; the F slot (1F1B's forward
+slot, ``_1f1b_tick``, on the inbox's activation; the loss on the last
+stage, its cotangent put in the inbox); the B slot (B's half of the
+stage's backward, ``_zero_bubble_split``: the stage input's cotangent from
+the residual ring and the inbox, handed back; the boundary W reads
+stored); the W slot (W's half: the stage parameters' gradient from both
+rings); the neighbour permutes. Then the W slots of the ticks after the
+last F and B."""
 
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -60,17 +63,19 @@ def _ticks_of(device: Device) -> "ZeroBubble":
 
 
 class Carry(NamedTuple):
-    """A device's scan carry: 1F1B's, and ``stored``, each B slot's
-    boundary and share as a :class:`Message` (``(K, ...)`` slots per
-    boundary value, ``(K,)`` shares), read by the micro-batch's W slot
-    (``K`` of them, or ``max_stored``).
+    """A device's scan carry: 1F1B's, the inboxes, and ``stored``, each B
+    slot's boundary and share as a :class:`Message` (``(J, ...)`` slots per
+    boundary value, ``(J,)`` shares), read by the micro-batch's W slot.
+    Micro-batch ``m``'s entry of a ring or inbox is in slot ``m`` modulo
+    its size (the grid's).
 
     Attributes:
       incoming: the activation the previous stage's device handed over.
       back: the :class:`Message` the next stage's device handed back.
       ring: per saved residual, its ``(K, ...)`` slots.
-      stored: the stored boundaries and shares, micro-batch ``m``'s in
-        slot ``m`` modulo their number.
+      inbox: the activations waiting for their F slot.
+      inbox_back: the :class:`Message` s waiting for their B slot.
+      stored: the stored boundaries and shares.
       grads: ``(embed, stages, head)`` gradients, in the accumulation dtype.
       sums: the :class:`LossOut` summed over the micro-batches so far.
     """
@@ -78,6 +83,8 @@ class Carry(NamedTuple):
     incoming: Any
     back: Message
     ring: list
+    inbox: Any
+    inbox_back: Message
     stored: Message
     grads: tuple
     sums: LossOut
@@ -202,17 +209,58 @@ def _weight_slot(
     return run(*operands)
 
 
+def _slots(count: int, like: Any) -> Any:
+    """``count`` zero slots of each leaf of ``like``."""
+    return jax.tree.map(lambda x: jnp.zeros((count, *x.shape), x.dtype), like)
+
+
+def _put(slots: Any, value: Any, micro: Any, valid: Any) -> Any:
+    """``slots`` with ``value`` in micro-batch ``micro``'s slot where
+    ``valid`` (each leaf's slot left as it was elsewhere)."""
+
+    def put(s: jax.Array, v: jax.Array) -> jax.Array:
+        slot = micro % s.shape[0]
+        old = lax.dynamic_index_in_dim(s, slot, 0, keepdims=False)
+        return lax.dynamic_update_index_in_dim(s, select(valid, v, old), slot, 0)
+
+    return jax.tree.map(put, slots, value)
+
+
+def _take(slots: Any, micro: Any) -> Any:
+    """Micro-batch ``micro``'s slot of each leaf of ``slots``."""
+    return jax.tree.map(
+        lambda s: lax.dynamic_index_in_dim(s, micro % s.shape[0], 0, keepdims=False),
+        slots,
+    )
+
+
+def _arrived(device: Device, carry: Carry, tick_index: Any) -> tuple[Any, Message]:
+    """The inboxes with what the neighbours handed over last tick put in
+    (the grid says which micro-batch's, if any)."""
+    grid, stage = _ticks_of(device).grid(), device.stage
+    x_micro = jnp.asarray(grid.x_arrival)[stage, tick_index]
+    back_micro = jnp.asarray(grid.back_arrival)[stage, tick_index]
+    inbox = _put(carry.inbox, carry.incoming, x_micro, x_micro >= 0)
+    inbox_back = _put(carry.inbox_back, carry.back, back_micro, back_micro >= 0)
+    return inbox, inbox_back
+
+
 def _one_tick(window: Window, halves: Halves, carry: Carry, tick_index: Any):
-    """One loop tick of one device: its forward slot, the loss on the last
-    stage, its B slot, its W slot; the activation handed on, the cotangent
-    handed back."""
+    """One loop tick of one device: the arrivals put in the inboxes, its F
+    slot on the activation waiting for it (the loss on the last stage, its
+    cotangent put in the inbox), its B slot on the cotangent waiting for
+    it, its W slot; the activation handed on, the cotangent handed back."""
     device = window.device
-    y, ring, tick = forward_slot(window, carry, tick_index)
+    inbox, inbox_back = _arrived(device, carry, tick_index)
+    f_micro = device.schedule.at(tick_index, device.stage).microbatch
+    waiting = carry._replace(incoming=_take(inbox, f_micro))
+    y, ring, tick = forward_slot(window, waiting, tick_index)
     head_grad, sums, out, message, head_sq = loss_slot(window, carry, y, tick)
-    last = device.stage == device.schedule.num_stages - 1
-    message = select(last, message, carry.back)
+    inbox_back = _put(inbox_back, message, tick.microbatch, tick.exits)
+    _, b_micro = _ticks_of(device).backward_at(tick_index, device.stage)
+    carry = carry._replace(grads=(*carry.grads[:2], head_grad))
     embed_grad, back, stored, embed_sq = _input_slot(
-        window, halves, carry, ring, message, tick_index
+        window, halves, carry, ring, _take(inbox_back, b_micro), tick_index
     )
     stage_grad, stage_sq = _weight_slot(
         window, halves, carry.grads[1], ring, stored, tick_index
@@ -222,11 +270,12 @@ def _one_tick(window: Window, halves: Halves, carry: Carry, tick_index: Any):
     back = lax.ppermute(back, axis, schedule.backward_ring())
     grads = (embed_grad, stage_grad, head_grad)
     per_tick = (out.loss, out.weight, embed_sq, stage_sq, head_sq)
-    return Carry(incoming, back, ring, stored, grads, sums), per_tick
+    carry = Carry(incoming, back, ring, inbox, inbox_back, stored, grads, sums)
+    return carry, per_tick
 
 
 def _appended_tick(window: Window, halves: Halves, carry: Carry, tick_index: Any):
-    """One appended tick: the W slot only."""
+    """One tick after the last F and B: the W slot only."""
     embed, stage_grad, head = carry.grads
     stage_grad, stage_sq = _weight_slot(
         window, halves, stage_grad, carry.ring, carry.stored, tick_index
@@ -235,16 +284,23 @@ def _appended_tick(window: Window, halves: Halves, carry: Carry, tick_index: Any
 
 
 def _initial(window: Window, shapes: Shapes, boundary: list) -> Carry:
-    """1F1B's carry before the first tick, and an empty stored ring (slots
-    like ``boundary``)."""
+    """1F1B's carry before the first tick, empty inboxes and an empty
+    stored ring (slots like ``boundary``)."""
     one = initial_carry(window, shapes)
     count = _ticks_of(window.device).stored_size
     stored = Message(
         [ring_slots(x, count) for x in boundary],
         jnp.zeros((count,), window.share_dtype),
     )
-    stored = varying(stored, axes_of(window.device))
-    return Carry(one.incoming, one.back, one.ring, stored, one.grads, one.sums)
+    grid = _ticks_of(window.device).grid()
+    inbox = _slots(grid.inbox_size, one.incoming)
+    inbox_back = _slots(grid.back_size, one.back)
+    stored, inbox, inbox_back = varying(
+        (stored, inbox, inbox_back), axes_of(window.device)
+    )
+    return Carry(
+        one.incoming, one.back, one.ring, inbox, inbox_back, stored, one.grads, one.sums
+    )
 
 
 def run_window(
@@ -252,7 +308,7 @@ def run_window(
 ):
     """One device's zero-bubble window under ``shard_map``; returns what the
     1F1B window's ``run_window`` does (the stage probes per tick, the
-    appended ticks' included)."""
+    W-only ticks' included)."""
     options, schedule, shapes = static.options, static.schedule, static.shapes
     schedule = cast("ZeroBubble", schedule)
     device = make_device(static, params, batch, key)
