@@ -1,7 +1,8 @@
 """The pipeline's planner against the best fixed window, on 8 CPU devices.
 
-``jaxaccum.plan_pipeline`` chooses the window ``M``, the schedule (GPipe or
-1F1B, where ``repeats=1``) and ``remat`` for a memory budget, the
+``jaxaccum.plan_pipeline`` chooses the window ``M``, the schedule (GPipe,
+1F1B or zero-bubble with ``repeats=1``; the circular GPipe or interleaved
+1F1B with ``repeats > 1``) and ``remat`` for a memory budget, the
 micro-batch held fixed. The simple alternative it replaces is one fixed
 ``(schedule, M, remat)`` for every budget; the best such setting
 is chosen here in hindsight, per task, as the one with the highest mean
@@ -46,6 +47,7 @@ from pipeline import embed_fn, loss_fn, model, stage_fn  # noqa: E402
 
 import jaxaccum  # noqa: E402
 from jaxaccum._pipeline._schedules import SCHEDULES as REGISTERED  # noqa: E402
+from jaxaccum._pipeline._schedules import builds  # noqa: E402
 from jaxaccum.cli import models  # noqa: E402
 
 NUM_BUDGETS = 7
@@ -140,7 +142,8 @@ def evaluate(task) -> dict:
     first = None
     num_stages = task[1].shape["stage"]
     candidates = [num_stages * 2**k for k in range(5)]
-    schedules = ("gpipe",) if task[5].get("repeats", 1) > 1 else tuple(REGISTERED)
+    repeats = task[5].get("repeats", 1)  # "1f1b" with R > 1: interleaved
+    schedules = tuple(name for name in REGISTERED if builds(name, repeats))
     for schedule, remat, num in itertools.product(schedules, (False, True), candidates):
         one = plan_for(
             task,

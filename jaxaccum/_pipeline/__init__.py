@@ -23,10 +23,11 @@ a gradient.
 (S - 1)`` ticks, each a forward and a backward slot per device, a stage's
 backward the ``jax.vjp`` of its forward rebuilt from a ring of ``min(2 S -
 1, M)`` saved residuals, so the activation memory is flat in ``M``.
-Zero-bubble (``schedule="zero-bubble"``) keeps 1F1B's ticks but its backward
-slot computes only the stage input's cotangent, and a W slot per tick, placed
-by a table built when the step is traced, computes the parameters' gradient
-later from the residual ring and a ring of stored cotangents. Interleaved
+Zero-bubble (``schedule="zero-bubble"``) splits the backward into the stage
+input's cotangent (B) and the parameters' gradient (W, later, from the
+residual ring and a ring of what B stored); tables built when the step is
+traced put each device's F, B and W slots (ZB-H1's grid of one slot a tick,
+or with remat 1F1B's ticks and the W's deferred). Interleaved
 1F1B (``schedule="1f1b"`` with ``repeats > 1``) runs each device's R stages
 in Megatron's order: micro-batches in groups of S through every repeat,
 both rings circular.
@@ -40,7 +41,7 @@ slots, neighbour rings, the bubble), ``_gpipe`` (``GPipe``: one device's
 GPipe or circular window, embed, the ticks, the losses, backward by
 autodiff), ``_1f1b`` and ``_1f1b_tick`` (``OneFOneB``: one device's 1F1B
 window and one tick of it, its backward included), ``_zero_bubble`` and
-``_zero_bubble_tick`` (``ZeroBubble``: its W table and one device's window;
+``_zero_bubble_tick`` (``ZeroBubble``: its tables and one device's window;
 ``_zero_bubble_split``, the stage's backward split at its jaxpr),
 ``_interleaved`` and ``_interleaved_tick`` (``Interleaved``: its tick and
 ring tables and one device's window), ``_schedules`` (the names), ``_spec``
