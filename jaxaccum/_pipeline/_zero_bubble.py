@@ -105,8 +105,9 @@ def _one_slot(num_stages: int, num: int) -> tuple[np.ndarray, ...]:
 
 def _held(start: np.ndarray, end: np.ndarray) -> int:
     """The most micro-batches a device holds at once, each from its tick
-    in ``start`` (``(S, M)``, inclusive) to the one in ``end`` (exclusive
-    of the tick after it: a slot read at a tick is free at the next)."""
+    in ``start`` (``(S, M)``) to its tick in ``end``, both inclusive: a
+    slot read in a tick is free from the next (one written in the same
+    tick, before the read, would need a slot of its own)."""
     ticks = np.arange(int(end.max()) + 1)[:, None, None]
     live = (start[None] <= ticks) & (ticks <= end[None])
     return int(live.sum(axis=-1).max())
