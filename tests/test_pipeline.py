@@ -524,8 +524,8 @@ def test_zero_bubble_grid_runs_each_slot_once_in_order_and_never_overwrites(
     stored boundaries without remat, K with; and, replaying the device's
     reads and writes in the tick's order (arrivals put in, F reads its
     activation and writes its residuals, the loss's cotangent put in, B
-    reads both and writes its boundary, W reads both), no slot of a ring or inbox is written while a micro-batch
-    still needs it."""
+    reads both and writes its boundary, W reads both), no slot of a ring or
+    inbox is written while a micro-batch still needs it."""
     schedule = ZeroBubble(stages, num, 1, recomputes)
     grid = schedule.grid()
     slots = (grid.forward >= 0) * 1 + (grid.backward >= 0) + (grid.weight >= 0)
