@@ -187,10 +187,12 @@ def ring_slots(like: jax.ShapeDtypeStruct, count: int) -> jax.Array:
     return jnp.zeros((count, *like.shape), like.dtype)
 
 
-def initial_carry(window: Window, shapes: Shapes) -> Carry:
-    """The carry before the first tick: fills, an empty ring, zero sums."""
+def initial_carry(window: Window, shapes: Shapes, given: Any = None) -> Carry:
+    """The carry before the first tick: fills, an empty ring (of the
+    schedule's ``ring_size``, slots like the residuals of the stage on
+    ``given``, by default ``stage_given(device, 0)``), zero sums."""
     device = window.device
-    given = stage_given(device, 0)
+    given = stage_given(device, 0) if given is None else given
     saved = jax.eval_shape(
         lambda g, x: forward(stage_call(device), g, x)[1], given, device.fill
     )
@@ -205,6 +207,27 @@ def initial_carry(window: Window, shapes: Shapes) -> Carry:
     return varying(carry, axes_of(device))
 
 
+def make_window(
+    static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
+) -> Window:
+    """What a device's ticks read (a :class:`Window`), under ``shard_map``:
+    its :class:`~jaxaccum._pipeline._device.Device`, the loss scale, the
+    window's ``M D`` micro-batch pieces, the options."""
+    options, shapes = static.options, static.shapes
+    device = make_device(static, params, batch, key)
+    layout = options.layout
+    shards = lax.axis_size(layout.data_axis) if layout.data_axis else 1
+    return Window(
+        device,
+        loss_scale,
+        static.schedule.num_microbatches * shards,
+        skip,
+        probed_options(options),
+        [],
+        share_dtype(shapes.loss.loss),
+    )
+
+
 def run_window(
     static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
 ):
@@ -216,21 +239,12 @@ def run_window(
     sum), reduced, and the :class:`Probes` (``(1, 1, .)`` squared norms of
     the loss's own gradient pieces, zeros unless probed).
     """
-    options, schedule, shapes = static.options, static.schedule, static.shapes
-    device = make_device(static, params, batch, key)
-    shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
-    window = Window(
-        device,
-        loss_scale,
-        schedule.num_microbatches * shards,
-        skip,
-        probed_options(options),
-        [],
-        share_dtype(shapes.loss.loss),
-    )
+    options, schedule = static.options, static.schedule
+    window = make_window(static, skip, params, batch, key, loss_scale)
+    device = window.device
     carry, per_tick = lax.scan(
         functools.partial(one_tick, window),
-        initial_carry(window, shapes),
+        initial_carry(window, static.shapes),
         jnp.arange(schedule.num_ticks),
         unroll=options.unroll,
     )

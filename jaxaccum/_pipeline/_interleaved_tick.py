@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._accum_dtypes import accum_dtype_for
-from jaxaccum._pipeline._1f1b import ring_slots, window_results
+from jaxaccum._pipeline._1f1b import initial_carry, make_window, window_results
 from jaxaccum._pipeline._1f1b_tick import (
     Carry,
     Message,
@@ -33,16 +33,11 @@ from jaxaccum._pipeline._1f1b_tick import (
 )
 from jaxaccum._pipeline._device import (
     Device,
-    Shapes,
     Static,
-    fill_like,
-    make_device,
     microbatch_key,
     select,
     varying,
 )
-from jaxaccum._pipeline._run import share_dtype
-from jaxaccum._pipeline._stats import probed as probed_options
 from jaxaccum._types import Batch
 
 if TYPE_CHECKING:
@@ -187,47 +182,18 @@ def _one_tick(window: Window, carry: Carry, tick_index: Any):
     return Carry(incoming, back, ring, grads, sums), per_tick
 
 
-def _initial(window: Window, shapes: Shapes) -> Carry:
-    """The carry before the first tick: fills, an empty ring of the table's
-    size, zero sums."""
-    device = window.device
-    given = _given(device, 0, 0)
-    saved = jax.eval_shape(
-        lambda g, x: forward(stage_call(device), g, x)[1], given, device.fill
-    )
-    count = _ticks_of(device).ring_size
-    ring = [ring_slots(s, count) for s in saved]
-    zero_grads = jax.tree.map(
-        jnp.zeros_like, (device.embed, device.stages, device.head)
-    )
-    message = Message(
-        floats(fill_like(shapes.x, 0.0)), jnp.zeros((), window.share_dtype)
-    )
-    carry = Carry(device.fill, message, ring, zero_grads, device.no_loss)
-    return varying(carry, axes_of(device))
-
-
 def run_window(
     static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
 ):
     """One device's interleaved window under ``shard_map``; returns what the
     1F1B window's ``run_window`` does."""
-    options, shapes = static.options, static.shapes
+    options = static.options
     schedule = cast("Interleaved", static.schedule)
-    device = make_device(static, params, batch, key)
-    shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
-    window = Window(
-        device,
-        loss_scale,
-        schedule.num_microbatches * shards,
-        skip,
-        probed_options(options),
-        [],
-        share_dtype(shapes.loss.loss),
-    )
+    window = make_window(static, skip, params, batch, key, loss_scale)
+    first = _given(window.device, 0, 0)  # a stage of repeat 0: the ring's slots
     carry, per_tick = lax.scan(
         lambda c, t: _one_tick(window, c, t),
-        _initial(window, shapes),
+        initial_carry(window, static.shapes, first),
         jnp.arange(schedule.num_ticks),
         unroll=options.unroll,
     )

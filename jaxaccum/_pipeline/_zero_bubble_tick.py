@@ -15,7 +15,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._accum_dtypes import accum_dtype_for
-from jaxaccum._pipeline._1f1b import initial_carry, ring_slots, window_results
+from jaxaccum._pipeline._1f1b import (
+    initial_carry,
+    make_window,
+    ring_slots,
+    window_results,
+)
 from jaxaccum._pipeline._1f1b_tick import (
     Message,
     Window,
@@ -40,12 +45,9 @@ from jaxaccum._pipeline._device import (
     Device,
     Shapes,
     Static,
-    make_device,
     select,
     varying,
 )
-from jaxaccum._pipeline._run import share_dtype
-from jaxaccum._pipeline._stats import probed as probed_options
 from jaxaccum._pipeline._zero_bubble_split import (
     SplitBackward,
     input_part,
@@ -309,23 +311,13 @@ def run_window(
     """One device's zero-bubble window under ``shard_map``; returns what the
     1F1B window's ``run_window`` does (the stage probes per tick, the
     W-only ticks' included)."""
-    options, schedule, shapes = static.options, static.schedule, static.shapes
-    schedule = cast("ZeroBubble", schedule)
-    device = make_device(static, params, batch, key)
-    shards = lax.axis_size(options.layout.data_axis) if options.layout.data_axis else 1
-    window = Window(
-        device,
-        loss_scale,
-        schedule.num_microbatches * shards,
-        skip,
-        probed_options(options),
-        [],
-        share_dtype(shapes.loss.loss),
-    )
+    options, schedule = static.options, cast("ZeroBubble", static.schedule)
+    window = make_window(static, skip, params, batch, key, loss_scale)
+    device = window.device
     halves, boundary = split_stage(device)
     carry, (loss, weight, embed_sq, stage_sq, head_sq) = lax.scan(
         lambda c, t: _one_tick(window, halves, c, t),
-        _initial(window, shapes, boundary),
+        _initial(window, static.shapes, boundary),
         jnp.arange(schedule.loop_ticks),
         unroll=options.unroll,
     )
