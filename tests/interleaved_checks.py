@@ -10,8 +10,6 @@ import functools
 
 import chex
 import jax
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_checks import (
@@ -23,6 +21,7 @@ from pipeline_checks import (
     WIDE_ROWS,
     Case,
     check_bfloat16,
+    check_drawn_against,
     check_exact,
     check_float64,
     check_loss_scale,
@@ -31,7 +30,6 @@ from pipeline_checks import (
     check_sum_reduction,
     check_weighted_aux_keys,
     make_batch,
-    make_case,
     make_params,
     max_error,
     nan_at_zero_stage,
@@ -89,42 +87,19 @@ def check_interleaved_nan():
 
 
 DRAWN = ("stage8_M8_R2", "stage4_data2_M4_R2", "stage4_data2_M7_R2")
-REMATS = (False, True, jax.checkpoint_policies.dots_saveable)
 
 
 def check_drawn_options():
     """Drawn (case, remat, unroll): interleaved 1F1B equals the sequential
     model (the case's bound) and GPipe's circular schedule on the same
     options and repeats (twice it)."""
-    seen = []
-
-    @settings(max_examples=3, deadline=None, derandomize=True, database=None)
-    @given(
-        name=st.sampled_from(DRAWN),
-        remat=st.sampled_from(REMATS),
-        unroll=st.sampled_from([1, 2]),
+    return check_drawn_against(
+        SCHEDULE,
+        "gpipe",
+        DRAWN,
+        3,
+        lambda case: tolerance(UNIT_ROUNDOFF, layers=case.layers, batch=BATCH),
     )
-    def drawn(name, remat, unroll):
-        case = make_case(name, schedule=SCHEDULE)
-        outs = {
-            kind: jax.jit(
-                pipelined(
-                    dataclasses.replace(case, schedule=kind), remat=remat, unroll=unroll
-                )
-            )(*case.placed)
-            for kind in (SCHEDULE, "gpipe")
-        }
-        rtol = tolerance(UNIT_ROUNDOFF, layers=case.layers, batch=BATCH)
-        expected = reference(case)
-        chex.assert_trees_all_close(outs[SCHEDULE], expected, rtol=rtol, atol=rtol)
-        chex.assert_trees_all_close(
-            outs[SCHEDULE], outs["gpipe"], rtol=2 * rtol, atol=2 * rtol
-        )
-        error = max_error(outs[SCHEDULE], expected)
-        seen.append(f"{name} remat={getattr(remat, '__name__', remat)}: {error:.1e}")
-
-    drawn()
-    return "; ".join(seen)
 
 
 def check_against_1f1b():

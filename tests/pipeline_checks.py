@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from check_scripts import report
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tolerances import UNIT_ROUNDOFF
@@ -554,6 +556,42 @@ def check_weighted_aux_keys(schedule="gpipe", interleaved=False):
         chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=ATOL)
         details.append(f"S={shape[0]} R={repeats}: loss {float(out[0][0]):.6f}")
     return "; ".join(details)
+
+
+def check_drawn_against(schedule, other, names, max_examples, rtol_of):
+    """Drawn (case of ``names``, remat, unroll): ``schedule`` equals the
+    sequential model (``rtol_of(case)``) and ``other`` on the same options
+    (twice it: each is that close to the model). Returns what it drew."""
+    seen = []
+    remats = (False, True, jax.checkpoint_policies.dots_saveable)
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None)
+    @given(
+        name=st.sampled_from(names),
+        remat=st.sampled_from(remats),
+        unroll=st.sampled_from([1, 2]),
+    )
+    def drawn(name, remat, unroll):
+        case = make_case(name, schedule=schedule)
+        outs = {
+            kind: jax.jit(
+                pipelined(
+                    dataclasses.replace(case, schedule=kind), remat=remat, unroll=unroll
+                )
+            )(*case.placed)
+            for kind in (schedule, other)
+        }
+        rtol = rtol_of(case)
+        expected = reference(case)
+        chex.assert_trees_all_close(outs[schedule], expected, rtol=rtol, atol=rtol)
+        chex.assert_trees_all_close(
+            outs[schedule], outs[other], rtol=2 * rtol, atol=2 * rtol
+        )
+        error = max_error(outs[schedule], expected)
+        seen.append(f"{name} remat={getattr(remat, '__name__', remat)}: {error:.1e}")
+
+    drawn()
+    return "; ".join(seen)
 
 
 def check_sum_reduction(schedule="gpipe", name="stage8_M3"):

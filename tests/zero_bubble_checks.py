@@ -7,12 +7,9 @@ measurements (temporaries against 1F1B's, FLOPs of each slot).
 import dataclasses
 import itertools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from pipeline_checks import (
     BATCH,
     UNIT_ROUNDOFF,
@@ -20,6 +17,7 @@ from pipeline_checks import (
     WIDE_ROWS,
     ZERO_BUBBLE,
     check_bfloat16,
+    check_drawn_against,
     check_exact,
     check_float64,
     check_loss_scale,
@@ -27,13 +25,9 @@ from pipeline_checks import (
     check_report_stats,
     check_sum_reduction,
     check_weighted_aux_keys,
-    make_case,
-    max_error,
     nan_at_zero_stage,
     normal,
-    pipelined,
     program_flops,
-    reference,
     stage_fn,
     tolerance,
     wide_case,
@@ -93,42 +87,19 @@ def check_zero_bubble_nan():
 
 
 DRAWN = ("stage8_M7", "stage4_data2_M4", "stage4_data2_M16", "stage2_fsdp4_M3")
-REMATS = (False, True, jax.checkpoint_policies.dots_saveable)
 
 
 def check_drawn_options():
     """Drawn (case, remat, unroll): zero-bubble equals the sequential model
     (the case's bound) and 1F1B on the same options (twice it: each is that
     close to the model)."""
-    seen = []
-
-    @settings(max_examples=5, deadline=None, derandomize=True, database=None)
-    @given(
-        name=st.sampled_from(DRAWN),
-        remat=st.sampled_from(REMATS),
-        unroll=st.sampled_from([1, 2]),
+    return check_drawn_against(
+        SCHEDULE,
+        "1f1b",
+        DRAWN,
+        5,
+        lambda case: tolerance(UNIT_ROUNDOFF, batch=max(case.rows, BATCH)),
     )
-    def drawn(name, remat, unroll):
-        case = make_case(name, schedule=SCHEDULE)
-        outs = {
-            kind: jax.jit(
-                pipelined(
-                    dataclasses.replace(case, schedule=kind), remat=remat, unroll=unroll
-                )
-            )(*case.placed)
-            for kind in (SCHEDULE, "1f1b")
-        }
-        rtol = tolerance(UNIT_ROUNDOFF, batch=max(case.rows, BATCH))
-        expected = reference(case)
-        chex.assert_trees_all_close(outs[SCHEDULE], expected, rtol=rtol, atol=rtol)
-        chex.assert_trees_all_close(
-            outs[SCHEDULE], outs["1f1b"], rtol=2 * rtol, atol=2 * rtol
-        )
-        error = max_error(outs[SCHEDULE], expected)
-        seen.append(f"{name} remat={getattr(remat, '__name__', remat)}: {error:.1e}")
-
-    drawn()
-    return "; ".join(seen)
 
 
 def slot_flops(remat: bool) -> dict[str, float]:
