@@ -147,7 +147,8 @@ def check_memory_and_slots():
     """At S = 4: temporaries per device (memory_analysis, in activations)
     flat in M (8 S within 1.25x of 2 S): 1F1B's ring of K slots, the
     stored boundaries' (at most S, K with remat; one activation a slot for
-    this one-layer stage), the two inboxes (an activation each) and at most two
+    this one-layer stage), the two inboxes (an activation each, none with
+    remat's tables, which use what arrives at once) and at most two
     activations of the slots' own, with and without remat; each slot's
     FLOPs against the forward's (B and W each about a forward without
     remat, their sum 1F1B's backward; with remat B recomputes the forward
@@ -166,7 +167,8 @@ def check_memory_and_slots():
         for num in (2 * stages, 8 * stages):
             grid = ZeroBubble.for_window(stages, num, 1, remat).grid()
             assert grid.stored_size <= (min(2 * stages - 1, num) if remat else stages)
-            held = grid.stored_size + grid.inbox_size + grid.back_size
+            inboxes = 0 if grid.immediate else grid.inbox_size + grid.back_size
+            held = grid.stored_size + inboxes
             extra = temps[SCHEDULE, remat, num] - temps["1f1b", remat, num]
             assert held <= extra <= held + 2.05, (held, temps)
     slots = {remat: slot_flops(remat) for remat in (False, True)}

@@ -46,6 +46,9 @@ class Grid(NamedTuple):
         -1 (the previous device's F of the tick before).
       back_arrival: the micro-batch whose cotangent arrives at each tick,
         or -1 (the next device's B of the tick before).
+      immediate: whether every activation and cotangent is used in the
+        tick it arrives (the last device's loss cotangent in its F's): the
+        inboxes are not needed.
     """
 
     forward: np.ndarray
@@ -57,6 +60,7 @@ class Grid(NamedTuple):
     back_size: int
     x_arrival: np.ndarray
     back_arrival: np.ndarray
+    immediate: bool
 
 
 def _one_slot(num_stages: int, num: int) -> tuple[np.ndarray, ...]:
@@ -183,6 +187,7 @@ def grid(num_stages: int, num_microbatches: int, recomputes: bool = False) -> Gr
         _held(handed, b_at),
         x_arrival,
         back_arrival,
+        bool((arrives == f_at).all() and (handed == b_at).all()),
     )
 
 

@@ -75,8 +75,10 @@ class Carry(NamedTuple):
       incoming: the activation the previous stage's device handed over.
       back: the :class:`Message` the next stage's device handed back.
       ring: per saved residual, its ``(K, ...)`` slots.
-      inbox: the activations waiting for their F slot.
-      inbox_back: the :class:`Message` s waiting for their B slot.
+      inbox: the activations waiting for their F slot (None where the
+        grid is ``immediate``).
+      inbox_back: the :class:`Message` s waiting for their B slot (None
+        there too).
       stored: the stored boundaries and shares.
       grads: ``(embed, stages, head)`` gradients, in the accumulation dtype.
       sums: the :class:`LossOut` summed over the micro-batches so far.
@@ -86,7 +88,7 @@ class Carry(NamedTuple):
     back: Message
     ring: list
     inbox: Any
-    inbox_back: Message
+    inbox_back: Message | None
     stored: Message
     grads: tuple
     sums: LossOut
@@ -236,10 +238,13 @@ def _take(slots: Any, micro: Any) -> Any:
     )
 
 
-def _arrived(device: Device, carry: Carry, tick_index: Any) -> tuple[Any, Message]:
+def _arrived(device: Device, carry: Carry, tick_index: Any) -> tuple[Any, Any]:
     """The inboxes with what the neighbours handed over last tick put in
-    (the grid says which micro-batch's, if any)."""
+    (the grid says which micro-batch's, if any); the handed values
+    themselves where every arrival is used in its tick."""
     grid, stage = _ticks_of(device).grid(), device.stage
+    if grid.immediate:
+        return carry.incoming, carry.back
     x_micro = jnp.asarray(grid.x_arrival)[stage, tick_index]
     back_micro = jnp.asarray(grid.back_arrival)[stage, tick_index]
     inbox = _put(carry.inbox, carry.incoming, x_micro, x_micro >= 0)
@@ -253,16 +258,22 @@ def _one_tick(window: Window, halves: Halves, carry: Carry, tick_index: Any):
     cotangent put in the inbox), its B slot on the cotangent waiting for
     it, its W slot; the activation handed on, the cotangent handed back."""
     device = window.device
+    immediate = _ticks_of(device).grid().immediate
     inbox, inbox_back = _arrived(device, carry, tick_index)
     f_micro = device.schedule.at(tick_index, device.stage).microbatch
-    waiting = carry._replace(incoming=_take(inbox, f_micro))
-    y, ring, tick = forward_slot(window, waiting, tick_index)
+    x = inbox if immediate else _take(inbox, f_micro)
+    y, ring, tick = forward_slot(window, carry._replace(incoming=x), tick_index)
     head_grad, sums, out, message, head_sq = loss_slot(window, carry, y, tick)
-    inbox_back = _put(inbox_back, message, tick.microbatch, tick.exits)
     _, b_micro = _ticks_of(device).backward_at(tick_index, device.stage)
+    if immediate:  # the last device's B is its F's micro-batch, in its tick
+        handed = select(tick.exits, message, inbox_back)
+        inbox, inbox_back = None, None
+    else:
+        inbox_back = _put(inbox_back, message, tick.microbatch, tick.exits)
+        handed = _take(inbox_back, b_micro)
     carry = carry._replace(grads=(*carry.grads[:2], head_grad))
     embed_grad, back, stored, embed_sq = _input_slot(
-        window, halves, carry, ring, _take(inbox_back, b_micro), tick_index
+        window, halves, carry, ring, handed, tick_index
     )
     stage_grad, stage_sq = _weight_slot(
         window, halves, carry.grads[1], ring, stored, tick_index
@@ -295,8 +306,10 @@ def _initial(window: Window, shapes: Shapes, boundary: list) -> Carry:
         jnp.zeros((count,), window.share_dtype),
     )
     grid = _ticks_of(window.device).grid()
-    inbox = _slots(grid.inbox_size, one.incoming)
-    inbox_back = _slots(grid.back_size, one.back)
+    inbox, inbox_back = None, None  # immediate: what arrives is used at once
+    if not grid.immediate:
+        inbox = _slots(grid.inbox_size, one.incoming)
+        inbox_back = _slots(grid.back_size, one.back)
     stored, inbox, inbox_back = varying(
         (stored, inbox, inbox_back), axes_of(window.device)
     )
