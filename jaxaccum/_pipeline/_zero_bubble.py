@@ -205,7 +205,8 @@ class ZeroBubble(OneFOneB):
     permutes). The activation memory is 1F1B's ring of ``min(2 S - 1, M)``
     residual slots, a ring of B's boundaries (at most ``S`` slots without
     remat, ``min(2 S - 1, M)`` with; for a stage of ``L`` dense layers,
-    ``L`` activations a slot) and the inboxes (an activation each).
+    ``L`` activations a slot) and, without remat, the inboxes (an
+    activation each).
     ``repeats=1`` only.
 
     Attributes:
