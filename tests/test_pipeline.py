@@ -554,6 +554,17 @@ def test_zero_bubble_grid_runs_each_slot_once_in_order_and_never_overwrites(
     }
     for d in range(stages):
         _replay_grid(grid, d, sizes)
+    # remat's tables need no inboxes: what arrives is used in its tick, and
+    # the last device's B is its F's micro-batch, in its tick.
+    assert grid.immediate == recomputes or stages == 1
+    if grid.immediate:
+        arrived = grid.x_arrival >= 0
+        np.testing.assert_array_equal(grid.x_arrival[arrived], grid.forward[arrived])
+        arrived = grid.back_arrival >= 0
+        np.testing.assert_array_equal(
+            grid.back_arrival[arrived], grid.backward[arrived]
+        )
+        np.testing.assert_array_equal(grid.backward[-1], grid.forward[-1])
 
 
 class _Held:
