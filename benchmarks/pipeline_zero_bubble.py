@@ -1,5 +1,7 @@
-"""Zero-bubble in one lockstep program: the design's modeled window, before
-it is built (issue 57).
+"""Zero-bubble in one lockstep program with F and B at 1F1B's ticks: the
+least modeled window any placement of the W slots reaches (the tables the
+schedule runs with remat; without remat it runs ZB-H1's grid, below this
+bound at M = S: ``jaxaccum._pipeline._zero_bubble``; issue 57).
 
 Run: python benchmarks/pipeline_zero_bubble.py   (writes
 benchmarks/results/pipeline_zero_bubble.json; a few seconds)
