@@ -16,8 +16,10 @@ checks do (with their functions, on their 128-wide model of one layer a
 stage): per-device temporaries (``memory_analysis``) against 1F1B's at
 S = 4, R = 2, with and without remat, for M = 2S, 4S, 8S; and the share of
 the model one tick's slots run (``cost_analysis`` of the unrolled window).
+Each run keeps the other's key (the compiled one names its own machine).
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -32,6 +34,9 @@ from common import RESULTS, write_json
 
 from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._interleaved import Interleaved
+from jaxaccum.cli.harness import machine
+
+PATH = RESULTS / "pipeline_interleaved.json"
 
 
 def row(stages: int, num: int, repeats: int) -> dict:
@@ -57,8 +62,6 @@ def row(stages: int, num: int, repeats: int) -> dict:
 def compiled() -> dict:
     """Temporaries against 1F1B's and the slots' share of the model."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
-    import dataclasses
-
     from interleaved_checks import interleaved_temps, slot_flops
     from pipeline_checks import wide_case, wide_temps
 
@@ -79,6 +82,7 @@ def compiled() -> dict:
     }
     shares["ratio"] = shares["interleaved"] / shares["1f1b"]
     return {
+        "machine": machine(),
         "stages": stages,
         "repeats": repeats,
         "temp_activations": temps,
@@ -87,12 +91,10 @@ def compiled() -> dict:
 
 
 def main() -> None:
+    previous = json.loads(PATH.read_text()) if PATH.exists() else {}
+    previous.pop("machine", None)
     if "--compiled" in sys.argv:
-        path = RESULTS / "pipeline_interleaved.json"
-        payload = json.loads(path.read_text())
-        payload.pop("machine")
-        payload["compiled"] = compiled()
-        print(write_json("pipeline_interleaved", payload))
+        print(write_json("pipeline_interleaved", {**previous, "compiled": compiled()}))
         return
     rows = {
         f"S{s}_R{r}_M{m}": row(s, m, r)
@@ -102,7 +104,7 @@ def main() -> None:
             *((8, 2, m) for m in (8, 32)),
         ]
     }
-    print(write_json("pipeline_interleaved", {"rows": rows}))
+    print(write_json("pipeline_interleaved", {**previous, "rows": rows}))
     for name, r in rows.items():
         print(
             f"{name}: window {r['window']:.2f} vs 1F1B {r['window_1f1b']} "

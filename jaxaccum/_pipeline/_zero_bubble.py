@@ -117,7 +117,7 @@ def _held(start: np.ndarray, end: np.ndarray) -> int:
     return int(live.sum(axis=-1).max())
 
 
-def _ticks_of(table: np.ndarray) -> np.ndarray:
+def _slot_ticks(table: np.ndarray) -> np.ndarray:
     """``(S, M)``: the tick of each device's slot of each micro-batch."""
     stages, num = table.shape[0], int(table.max()) + 1
     at = np.zeros((stages, num), int)
@@ -170,7 +170,7 @@ def grid(num_stages: int, num_microbatches: int, recomputes: bool = False) -> Gr
     a tick, or with ``recomputes`` (remat) 1F1B's ticks and deferred W's."""
     build = _deferred_weights if recomputes else _one_slot
     forward, backward, weight = build(num_stages, num_microbatches)
-    f_at, b_at, w_at = (_ticks_of(t) for t in (forward, backward, weight))
+    f_at, b_at, w_at = (_slot_ticks(t) for t in (forward, backward, weight))
     arrives = np.concatenate([f_at[:1], f_at[:-1] + 1])  # the first: embedded
     handed = np.concatenate([b_at[1:] + 1, f_at[-1:]])  # the last: its loss
     x_arrival, back_arrival = np.full_like(forward, -1), np.full_like(forward, -1)
@@ -304,12 +304,12 @@ class ZeroBubble(OneFOneB):
     def loss_ticks(self) -> np.ndarray:
         """``(M,)``: the tick the last device takes each micro-batch's loss
         (its F)."""
-        return _ticks_of(self.grid().forward)[-1]
+        return _slot_ticks(self.grid().forward)[-1]
 
     def embed_ticks(self) -> np.ndarray:
         """``(M,)``: the tick the first device runs each micro-batch's
         embedding backward (its B)."""
-        return _ticks_of(self.grid().backward)[0]
+        return _slot_ticks(self.grid().backward)[0]
 
     def device_window(self) -> Callable[..., tuple]:
         """One device's window under ``shard_map``: the zero-bubble
