@@ -5,7 +5,7 @@ The tree aliases say what an ``Any`` holds (optax's ``base.py`` does the same:
 ``TypedDict`` s, built from small groups, one per feature, so that a front
 end's ``**options: Unpack[...]`` lists exactly the options it takes and a type
 checker flags a misspelt or ill-typed one. The run-time checks stay in
-:class:`jaxaccum._window_spec.WindowSpec` (users without a type checker get the
+:class:`jaxaccum._window._spec.WindowSpec` (users without a type checker get the
 same option named in the error).
 """
 

@@ -8,21 +8,21 @@ import jax
 import jax.numpy as jnp
 from typing_extensions import Unpack
 
-from jaxaccum import _split
-from jaxaccum._call_checks import (
+from jaxaccum._checks import check_accepts_example_mask
+from jaxaccum._precision._loss_scale import pop_loss_scale, select_if_finite
+from jaxaccum._types import AccumKwargs, Fun, PyTree
+from jaxaccum._window import _split
+from jaxaccum._window._call_checks import (
     check_active_microbatches,
     check_arg_count,
     check_differentiable_args,
     pop_active_microbatches,
 )
-from jaxaccum._checks import check_accepts_example_mask
-from jaxaccum._loss_scale import pop_loss_scale, select_if_finite
-from jaxaccum._microbatch import micro_value_and_grad, window_inputs
-from jaxaccum._packaging import package
-from jaxaccum._shard_spec import SHARD_OPTIONS
-from jaxaccum._types import AccumKwargs, Fun, PyTree
-from jaxaccum._window_loop import run_scan, run_single
-from jaxaccum._window_spec import WindowSpec
+from jaxaccum._window._loop import run_scan, run_single
+from jaxaccum._window._microbatch import micro_value_and_grad, window_inputs
+from jaxaccum._window._packaging import package
+from jaxaccum._window._shard_spec import SHARD_OPTIONS
+from jaxaccum._window._spec import WindowSpec
 
 
 def value_and_grad(

@@ -38,17 +38,17 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
     ) from error
 
 from jaxaccum._checks import check_accepts_example_mask
-from jaxaccum._shard_spec import SHARD_OPTIONS
 from jaxaccum._types import FilterCompareKwargs, FilterKwargs, Fun, Params, PyTree
 from jaxaccum._value_and_grad import (
     add_call_parameters,
     grads_only,
     make_accumulated,
 )
-from jaxaccum._window_spec import COMPARE_REFUSED, WindowSpec
+from jaxaccum._window._shard_spec import SHARD_OPTIONS
+from jaxaccum._window._spec import COMPARE_REFUSED, WindowSpec
 
 if TYPE_CHECKING:
-    from jaxaccum._diagnosis import Diagnosis
+    from jaxaccum._diagnose._diagnosis import Diagnosis
 
 __all__ = [
     "filter_assert_grads_match_full_batch",

@@ -37,12 +37,12 @@ except ImportError as error:  # pragma: no cover - exercised in a core-only venv
         '"jaxaccum[flax]"'
     ) from error
 
-from jaxaccum._flax_diagnose import linen_diagnose as linen_diagnose
-from jaxaccum._flax_diagnose import nnx_diagnose as nnx_diagnose
-from jaxaccum._flax_linen import linen_value_and_grad as linen_value_and_grad
-from jaxaccum._flax_nnx import nnx_value_and_grad as nnx_value_and_grad
-from jaxaccum._flax_train_state import TrainState as TrainState
-from jaxaccum._flax_train_state import linen_train_step as linen_train_step
+from jaxaccum._flax._diagnose import linen_diagnose as linen_diagnose
+from jaxaccum._flax._diagnose import nnx_diagnose as nnx_diagnose
+from jaxaccum._flax._linen import linen_value_and_grad as linen_value_and_grad
+from jaxaccum._flax._nnx import nnx_value_and_grad as nnx_value_and_grad
+from jaxaccum._flax._train_state import TrainState as TrainState
+from jaxaccum._flax._train_state import linen_train_step as linen_train_step
 
 __all__ = [
     "TrainState",

@@ -10,10 +10,14 @@ training step does not load chex.
 import chex
 from typing_extensions import Unpack
 
-from jaxaccum._compare import accumulated_and_reference, leaf_errors, metadata_paths
-from jaxaccum._diagnose import diagnose
-from jaxaccum._diagnosis import Cause, Diagnosis, LeafError
-from jaxaccum._hlo import (
+from jaxaccum._diagnose._compare import (
+    accumulated_and_reference,
+    leaf_errors,
+    metadata_paths,
+)
+from jaxaccum._diagnose._diagnose import diagnose
+from jaxaccum._diagnose._diagnosis import Cause, Diagnosis, LeafError
+from jaxaccum._plan._hlo import (
     COLLECTIVES,
     Collective,
     collective_bytes,
@@ -22,7 +26,7 @@ from jaxaccum._hlo import (
     window_bytes,
 )
 from jaxaccum._types import CompareKwargs, Fun, PyTree
-from jaxaccum._window_spec import COMPARE_REFUSED, WindowSpec
+from jaxaccum._window._spec import COMPARE_REFUSED, WindowSpec
 
 __all__ = [
     "COLLECTIVES",

@@ -56,7 +56,7 @@ import jaxaccum
 import jaxaccum.equinox
 import jaxaccum.flax
 from jaxaccum._types import AUX_REDUCTIONS, REDUCTIONS
-from jaxaccum._window_spec import PER_MICROBATCH_AUX
+from jaxaccum._window._spec import PER_MICROBATCH_AUX
 
 FEATURES, OUTPUTS = 4, 2
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "complex64": jnp.complex64}

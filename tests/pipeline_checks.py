@@ -43,11 +43,11 @@ from jax.sharding import PartitionSpec as P
 from tolerances import UNIT_ROUNDOFF
 
 import jaxaccum
-from jaxaccum._hlo import collective_bytes, find_collectives, window_bytes
 from jaxaccum._pipeline._interleaved import Interleaved
 from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._step import make_pipeline
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
+from jaxaccum._plan._hlo import collective_bytes, find_collectives, window_bytes
 
 INPUTS, FEATURES, OUTPUTS = 4, 16, 2
 ROWS = 4  # rows of one micro-batch on one data shard

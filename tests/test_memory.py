@@ -2,7 +2,7 @@
 
 Footprints are checked against an independent ``memory_analysis()`` of
 ``jax.jit(jaxaccum.value_and_grad(loss, N))``, and compilations are counted by
-wrapping ``jaxaccum._plan._compile``.
+wrapping ``jaxaccum._plan._plan._compile``.
 """
 
 import math
@@ -15,7 +15,7 @@ import pytest
 from models import mlp_loss
 
 import jaxaccum
-from jaxaccum import _plan as memory
+from jaxaccum._plan import _plan as memory
 
 SIZES = (16, 64, 64, 4)
 BATCH_SIZE = 96

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tolerances import ATOL, RTOL
 
 import jaxaccum
-import jaxaccum._multisteps
+import jaxaccum._multisteps._multisteps
 
 # Float32 rounding bounds, derived in tests/tolerances.py.
 CALLS_PER_WINDOW = 3
@@ -566,6 +566,6 @@ def test_bad_skip_function_is_rejected():
 
 
 def test_docstring_examples_run():
-    failures, tried = doctest.testmod(jaxaccum._multisteps)
+    failures, tried = doctest.testmod(jaxaccum._multisteps._multisteps)
     assert tried > 0
     assert failures == 0

@@ -74,7 +74,7 @@ def test_window_bytes_counts_each_loop_by_its_trip_count():
     a pipeline runs M R + S - 1 ticks (issue 45, case 5). It reads each
     loop's trip count from the HLO; the 8-device pipeline checks compare it
     with the ticks."""
-    from jaxaccum._hlo import _computations, _runs
+    from jaxaccum._plan._hlo import _computations, _runs
 
     text = (
         "HloModule m\n\n"

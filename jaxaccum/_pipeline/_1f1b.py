@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 from jaxaccum._pipeline._1f1b_tick import (
     Carry,
     Message,
+    RingTicks,
     Window,
     axes_of,
     floats,
@@ -251,7 +252,9 @@ def run_window(
     return window_results(carry, per_tick, ticks_of(device), static.fsdp_dims, options)
 
 
-def window_results(carry: Any, per_tick: tuple, schedule: OneFOneB, fsdp_dims, options):
+def window_results(
+    carry: Any, per_tick: tuple, schedule: RingTicks, fsdp_dims, options
+):
     """The loop's carry and per-tick outputs as :func:`run_window` returns
     them: each micro-batch's loss and head probe from its loss tick, its
     embedding probe from its embedding backward's (the schedule's

@@ -3,26 +3,42 @@ stage, its residuals written to the ring), the loss on the last stage
 (the backward seeded there), its backward slot (the stage's ``jax.vjp``
 rebuilt from a ring slot), and the neighbour permutes."""
 
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxaccum._accum_dtypes import accum_dtype_for
-from jaxaccum._loss_scale import scale_loss
-from jaxaccum._micro_result import microbatch_share
-from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import Device, microbatch_key, select, varying
+from jaxaccum._precision._loss_scale import scale_loss
+from jaxaccum._window._accum_dtypes import accum_dtype_for
+from jaxaccum._window._micro_result import microbatch_share
+from jaxaccum._window._noise_scale import unscaled_squared_norm
 
-if TYPE_CHECKING:
-    from jaxaccum._pipeline._1f1b import OneFOneB
+
+class RingTicks(Protocol):
+    """What a 1F1B window reads of its schedule beyond a ``Schedule``'s (a
+    ``_1f1b.OneFOneB`` or a subclass: the protocol keeps this module below
+    them): the ring, the backward slots, the loss and embedding ticks."""
+
+    @property
+    def num_microbatches(self) -> int: ...
+
+    @property
+    def ring_size(self) -> int: ...
+
+    def backward_at(self, tick: Any, stage: Any) -> tuple[Any, Any]: ...
+
+    def loss_ticks(self) -> np.ndarray: ...
+
+    def embed_ticks(self) -> np.ndarray: ...
 
 
-def ticks_of(device: Device) -> "OneFOneB":
+def ticks_of(device: Device) -> RingTicks:
     """The device's schedule, a ``OneFOneB``."""
-    return cast("OneFOneB", device.schedule)
+    return cast(RingTicks, device.schedule)
 
 
 class Pullback(NamedTuple):

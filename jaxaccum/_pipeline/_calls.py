@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum._accum_dtypes import accum_dtype_for, sum_dtype
-from jaxaccum._aux_plan import AuxPlan
-from jaxaccum._micro_result import aux_pair, weighted_pair
-from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import Fun, PyTree, Remat
+from jaxaccum._window._accum_dtypes import accum_dtype_for, sum_dtype
+from jaxaccum._window._aux_plan import AuxPlan
+from jaxaccum._window._micro_result import aux_pair, weighted_pair
+from jaxaccum._window._noise_scale import unscaled_squared_norm
 
 
 class LossOut(NamedTuple):

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxaccum import _split
 from jaxaccum._pipeline._calls import Calls, LossOut
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import Batch, Params, PyTree
+from jaxaccum._window import _split
 
 
 def select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:

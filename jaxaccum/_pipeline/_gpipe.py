@@ -14,8 +14,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum._loss_scale import scale_loss
-from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import (
     Device,
@@ -29,7 +27,9 @@ from jaxaccum._pipeline._device import (
 from jaxaccum._pipeline._run import Raw, Run, share_dtype
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._stats import make_probes, probed, unshared
+from jaxaccum._precision._loss_scale import scale_loss
 from jaxaccum._types import Batch, Fun, PyTree
+from jaxaccum._window._noise_scale import unscaled_squared_norm
 
 
 @dataclasses.dataclass(frozen=True)

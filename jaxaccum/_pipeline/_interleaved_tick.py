@@ -6,17 +6,17 @@ from its ring slot, its gradient accumulated at that repeat), the embedding's
 backward where repeat 0 leaves the first device, and the circular neighbour
 permutes."""
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxaccum._accum_dtypes import accum_dtype_for
 from jaxaccum._pipeline._1f1b import initial_carry, make_window, window_results
 from jaxaccum._pipeline._1f1b_tick import (
     Carry,
     Message,
+    RingTicks,
     Window,
     axes_of,
     backward,
@@ -38,14 +38,38 @@ from jaxaccum._pipeline._device import (
     select,
     varying,
 )
+from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._types import Batch
-
-if TYPE_CHECKING:
-    from jaxaccum._pipeline._interleaved import Interleaved
+from jaxaccum._window._accum_dtypes import accum_dtype_for
 
 
-def _ticks_of(device: Device) -> "Interleaved":
-    return cast("Interleaved", device.schedule)
+class InterleavedTicks(RingTicks, Protocol):
+    """What an interleaved window reads of its schedule (an
+    ``_interleaved.Interleaved``: the protocol keeps this module below it):
+    its slots, its ``Tables`` and the circular ring."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def repeats(self) -> int: ...
+
+    @property
+    def num_ticks(self) -> int: ...
+
+    def tables(self) -> Any: ...
+
+    def at(self, tick: Any, stage: Any) -> Tick: ...
+
+    def backward_slot(self, tick: Any, stage: Any) -> Any: ...
+
+    def forward_ring(self) -> list[tuple[int, int]]: ...
+
+    def backward_ring(self) -> list[tuple[int, int]]: ...
+
+
+def _ticks_of(device: Device) -> InterleavedTicks:
+    return cast(InterleavedTicks, device.schedule)
 
 
 def _given(device: Device, index: Any, repeat: Any) -> tuple:
@@ -188,7 +212,7 @@ def run_window(
     """One device's interleaved window under ``shard_map``; returns what the
     1F1B window's ``run_window`` does."""
     options = static.options
-    schedule = cast("Interleaved", static.schedule)
+    schedule = cast(InterleavedTicks, static.schedule)
     window = make_window(static, skip, params, batch, key, loss_scale)
     first = _given(window.device, 0, 0)  # a stage of repeat 0: the ring's slots
     carry, per_tick = lax.scan(

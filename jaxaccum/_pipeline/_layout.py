@@ -9,13 +9,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxaccum import _batch_nodes, _metadata, _split
-from jaxaccum._fsdp import shard_plan
 from jaxaccum._pipeline._calls import Calls, make_calls
 from jaxaccum._pipeline._device import Shapes
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
+from jaxaccum._precision import _metadata
 from jaxaccum._types import Batch, Params, PyTree
+from jaxaccum._window import _batch_nodes, _split
+from jaxaccum._window._fsdp import shard_plan
 
 
 def explicit(mesh: Any) -> bool:

@@ -22,9 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from typing_extensions import Unpack
 
-from jaxaccum import _split
 from jaxaccum._checks import candidate_counts
-from jaxaccum._memory_budget import parse_memory_budget
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import prepare, resolve_mesh, unpack_params
 from jaxaccum._pipeline._plan_result import (
@@ -36,7 +34,8 @@ from jaxaccum._pipeline._plan_result import (
 from jaxaccum._pipeline._schedules import SCHEDULES, builds, schedule_on, schedule_type
 from jaxaccum._pipeline._spec import PIPELINE_REFUSED, PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._step import make_pipeline
-from jaxaccum._plan import total_bytes
+from jaxaccum._plan._memory_budget import parse_memory_budget
+from jaxaccum._plan._plan import total_bytes
 from jaxaccum._types import (
     Batch,
     Fun,
@@ -45,7 +44,8 @@ from jaxaccum._types import (
     PyTree,
     ScheduleName,
 )
-from jaxaccum._window_spec import NO_LOSS_SCALE
+from jaxaccum._window import _split
+from jaxaccum._window._spec import NO_LOSS_SCALE
 
 _ASSUMED_RECOMPUTE = 1 / 3  # a backward pass twice the forward's FLOPs
 

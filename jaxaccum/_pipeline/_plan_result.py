@@ -4,7 +4,7 @@ compiled configuration, the efficiency it is chosen by, and its table."""
 import dataclasses
 
 from jaxaccum._pipeline._schedule import Schedule
-from jaxaccum._plan import format_bytes
+from jaxaccum._plan._plan import format_bytes
 from jaxaccum._types import Remat
 
 

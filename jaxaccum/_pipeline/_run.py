@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxaccum._accum_dtypes import accum_dtype_for
-from jaxaccum._loss_scale import tree_finite, unscale
-from jaxaccum._micro_result import microbatch_share
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import Probes, Static
 from jaxaccum._pipeline._layout import Prepared, layout_specs, place, reshape
 from jaxaccum._pipeline._spec import PipelineWindow
+from jaxaccum._precision._loss_scale import tree_finite, unscale
+from jaxaccum._window._accum_dtypes import accum_dtype_for
+from jaxaccum._window._micro_result import microbatch_share
 
 
 class Run(NamedTuple):

@@ -7,14 +7,11 @@ maps a ``schedule=`` string to its class."""
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-if TYPE_CHECKING:
-    from jaxaccum._pipeline._run import Raw, Run
 
 
 class Tick(NamedTuple):
@@ -102,11 +99,13 @@ class Schedule(abc.ABC):
 
     @abc.abstractmethod
     def differentiate(
-        self, run: "Run", params: tuple, batch: Any, key: Any, loss_scale: Any
-    ) -> "Raw":
+        self, run: Any, params: tuple, batch: Any, key: Any, loss_scale: Any
+    ) -> Any:
         """The window's sums and gradient on the mesh (traced under ``jit``):
-        the parameters laid out, the device body under ``shard_map``, its
-        outputs as :class:`Raw`, the gradient the window's (at its share)."""
+        for the call's ``_run.Run`` (typed ``Any``: ``_run`` imports this
+        module), the parameters laid out, the device body under
+        ``shard_map``, its outputs as a ``_run.Raw``, the gradient the
+        window's (at its share)."""
 
     @property
     def bubble_fraction(self) -> float:

@@ -9,7 +9,7 @@ import jax
 
 from jaxaccum._checks import check_positive_int
 from jaxaccum._types import SCHEDULES, ScheduleName
-from jaxaccum._window_spec import WindowSpec
+from jaxaccum._window._spec import WindowSpec
 
 # The aux reductions of a pipeline: each micro-batch's aux is computed on the
 # last stage's device, per data shard, and summed there.

@@ -10,12 +10,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxaccum._micro_result import FiniteReport
-from jaxaccum._noise_scale import MicroStats, WindowStats, squared_norm, window_stats
 from jaxaccum._pipeline._device import Probes
 from jaxaccum._pipeline._layout import Prepared, place
 from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import PyTree
+from jaxaccum._window._micro_result import FiniteReport
+from jaxaccum._window._noise_scale import (
+    MicroStats,
+    WindowStats,
+    squared_norm,
+    window_stats,
+)
 
 
 def pipeline_stats(

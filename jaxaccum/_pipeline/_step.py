@@ -9,9 +9,6 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 from typing_extensions import Unpack
 
-from jaxaccum._aux_plan import AuxPlan
-from jaxaccum._call_checks import check_differentiable
-from jaxaccum._loss_scale import loss_scale_report, pop_loss_scale
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import (
     Prepared,
@@ -28,8 +25,11 @@ from jaxaccum._pipeline._run import Raw, Run
 from jaxaccum._pipeline._schedules import schedule_on, schedule_type
 from jaxaccum._pipeline._spec import PIPELINE_REFUSED, PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._stats import probed, window_report
+from jaxaccum._precision._loss_scale import loss_scale_report, pop_loss_scale
 from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
-from jaxaccum._window import normalized_value
+from jaxaccum._window._aux_plan import AuxPlan
+from jaxaccum._window._call_checks import check_differentiable
+from jaxaccum._window._window import normalized_value
 
 
 def _normalize(raw: Raw, prepared: Prepared, options: PipelineWindow):

@@ -8,13 +8,13 @@ stored); the W slot (W's half: the stage parameters' gradient from both
 rings); the neighbour permutes. Then the W slots of the ticks after the
 last F and B."""
 
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxaccum._accum_dtypes import accum_dtype_for
 from jaxaccum._pipeline._1f1b import (
     initial_carry,
     make_window,
@@ -23,6 +23,7 @@ from jaxaccum._pipeline._1f1b import (
 )
 from jaxaccum._pipeline._1f1b_tick import (
     Message,
+    RingTicks,
     Window,
     added,
     axes_of,
@@ -55,13 +56,31 @@ from jaxaccum._pipeline._zero_bubble_split import (
     weight_part,
 )
 from jaxaccum._types import Batch
-
-if TYPE_CHECKING:
-    from jaxaccum._pipeline._zero_bubble import ZeroBubble
+from jaxaccum._window._accum_dtypes import accum_dtype_for
 
 
-def _ticks_of(device: Device) -> "ZeroBubble":
-    return cast("ZeroBubble", device.schedule)
+class GridTicks(RingTicks, Protocol):
+    """What a zero-bubble window reads of its schedule (a
+    ``_zero_bubble.ZeroBubble``: the protocol keeps this module below it):
+    its ``Grid`` of F, B and W ticks, the stored boundaries' slots, the
+    loop's length."""
+
+    @property
+    def stored_size(self) -> int: ...
+
+    @property
+    def loop_ticks(self) -> int: ...
+
+    @property
+    def num_ticks(self) -> int: ...
+
+    def grid(self) -> Any: ...
+
+    def weight_table(self) -> np.ndarray: ...
+
+
+def _ticks_of(device: Device) -> GridTicks:
+    return cast(GridTicks, device.schedule)
 
 
 class Carry(NamedTuple):
@@ -324,7 +343,7 @@ def run_window(
     """One device's zero-bubble window under ``shard_map``; returns what the
     1F1B window's ``run_window`` does (the stage probes per tick, the
     W-only ticks' included)."""
-    options, schedule = static.options, cast("ZeroBubble", static.schedule)
+    options, schedule = static.options, cast(GridTicks, static.schedule)
     window = make_window(static, skip, params, batch, key, loss_scale)
     device = window.device
     halves, boundary = split_stage(device)

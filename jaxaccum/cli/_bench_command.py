@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from jaxaccum._plan import format_bytes
+from jaxaccum._plan._plan import format_bytes
 from jaxaccum.cli import harness, models
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides

@@ -30,9 +30,9 @@ from rich.table import Table
 import jaxaccum
 import jaxaccum.growth
 from jaxaccum._checks import check_scalar
-from jaxaccum._plan import format_bytes, measure, train_step
+from jaxaccum._plan._plan import format_bytes, measure, train_step
 from jaxaccum._types import Batch, PyTree
-from jaxaccum._window_spec import WindowSpec
+from jaxaccum._window._spec import WindowSpec
 from jaxaccum.cli import models
 from jaxaccum.cli._console import console
 from jaxaccum.cli._flags import check_divides

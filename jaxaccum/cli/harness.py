@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxaccum
-from jaxaccum._plan import total_bytes
+from jaxaccum._plan._plan import total_bytes
 from jaxaccum._types import Batch, Fun, PyTree
 from jaxaccum.cli.models import Task
 

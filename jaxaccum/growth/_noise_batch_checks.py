@@ -2,7 +2,7 @@
 is given, each refusal naming the argument to change."""
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,10 +15,8 @@ from jaxaccum.growth._noise_batch_state import (
     MIN_HALF_LIFE_WINDOWS,
     STEPS_ONLY,
     NoiseScaleBatchState,
+    Settings,
 )
-
-if TYPE_CHECKING:
-    from jaxaccum.growth._noise_batch import NoiseScaleBatch
 
 
 def static_step_cost(value: Any) -> float:
@@ -58,7 +56,7 @@ def static_sizes(sizes: Any) -> tuple[int, ...]:
     return converted
 
 
-def check_size_range(controller: "NoiseScaleBatch") -> None:
+def check_size_range(controller: Settings) -> None:
     """``sizes`` must start at ``min_microbatches`` and stay within
     ``max_microbatches``; the message says which argument to change."""
     sizes = controller.possible_num_microbatches
@@ -80,7 +78,7 @@ def check_size_range(controller: "NoiseScaleBatch") -> None:
         )
 
 
-def check_half_life(controller: "NoiseScaleBatch") -> None:
+def check_half_life(controller: Settings) -> None:
     """Refuses a half-life under which the averages could never hold 4
     effective windows of the largest size (the window would never move), or
     could never take in one of the smallest (its weight 0 in float32)."""
@@ -118,7 +116,7 @@ def check_half_life(controller: "NoiseScaleBatch") -> None:
 
 
 def check_window_unit(
-    controller: "NoiseScaleBatch", state: NoiseScaleBatchState, big_batch: Any
+    controller: Settings, state: NoiseScaleBatchState, big_batch: Any
 ) -> None:
     """Counting examples, a concrete window cannot hold more than its
     micro-batches' examples: more is another unit (tokens)."""

@@ -2,7 +2,8 @@
 its averages."""
 
 import math
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import jax
 
@@ -49,3 +50,51 @@ class NoiseScaleBatchState(NamedTuple):
     num_microbatches: jax.Array
     microbatches_seen: jax.Array
     noise: NoiseMoments
+
+
+class Settings(Protocol):
+    """What the checks and the update read of a :class:`NoiseScaleBatch`, its
+    fields and derived sizes (a protocol, so that they need not import the
+    class that calls them)."""
+
+    @property
+    def microbatch_size(self) -> int: ...
+
+    @property
+    def max_microbatches(self) -> int: ...
+
+    @property
+    def min_microbatches(self) -> int: ...
+
+    @property
+    def step_cost(self) -> float: ...
+
+    @property
+    def tokens_per_example(self) -> float | None: ...
+
+    @property
+    def kappa(self) -> float | None: ...
+
+    @property
+    def half_life(self) -> float | None: ...
+
+    @property
+    def standard_errors(self) -> float: ...
+
+    @property
+    def sizes(self) -> Sequence[int] | None: ...
+
+    @property
+    def shrink(self) -> bool: ...
+
+    @property
+    def possible_num_microbatches(self) -> tuple[int, ...]: ...
+
+    @property
+    def unit(self) -> str: ...
+
+    @property
+    def microbatch_weight(self) -> float: ...
+
+    @property
+    def effective_half_life(self) -> float: ...

@@ -2,7 +2,6 @@
 the next window's size, moved only where the evidence puts the target."""
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +13,11 @@ from jaxaccum.growth._noise_batch_state import (
     MIN_EFFECTIVE_WINDOWS,
     STEPS_ONLY,
     NoiseScaleBatchState,
+    Settings,
 )
 
-if TYPE_CHECKING:
-    from jaxaccum.growth._noise_batch import NoiseScaleBatch
 
-
-def scaled_time(
-    controller: "NoiseScaleBatch", batch: jax.Array, phi: jax.Array
-) -> jax.Array:
+def scaled_time(controller: Settings, batch: jax.Array, phi: jax.Array) -> jax.Array:
     """The predicted time ``(1 + B_noise / B)(c + B)`` times ``phi =
     1 / B_noise`` (a factor common to every size, so the best size is the
     same), which stays finite for ``phi <= 0`` (an infinite noise scale)."""
@@ -38,9 +33,7 @@ def measured_microbatch_weight(state: NoiseScaleBatchState) -> jax.Array:
     return state.examples_seen.total / count
 
 
-def best_size(
-    controller: "NoiseScaleBatch", phi: jax.Array, weight: jax.Array
-) -> jax.Array:
+def best_size(controller: Settings, phi: jax.Array, weight: jax.Array) -> jax.Array:
     """The allowed size of least predicted time (nearest ``kappa B_noise`` in
     log with ``kappa``)."""
     sizes = jnp.asarray(controller.possible_num_microbatches, jnp.int32)
@@ -55,7 +48,7 @@ def best_size(
     return sizes[jnp.argmin(score)]
 
 
-def next_size(controller: "NoiseScaleBatch", state: NoiseScaleBatchState) -> jax.Array:
+def next_size(controller: Settings, state: NoiseScaleBatchState) -> jax.Array:
     r"""The window after ``state``'s: moved only where the evidence puts the
     target, $\phi \pm z\,\mathrm{se}$ apart, wholly on one side of it; to
     the end of that band nearest the current window."""
@@ -75,7 +68,7 @@ def next_size(controller: "NoiseScaleBatch", state: NoiseScaleBatchState) -> jax
 
 @functools.partial(jax.jit, static_argnums=0)
 def noise_scale_update(
-    controller: "NoiseScaleBatch",
+    controller: Settings,
     state: NoiseScaleBatchState,
     big_batch: jax.Array,
     gradient_norm_sq: jax.Array,

@@ -1,0 +1,1 @@
+"""Linen, NNX and ``TrainState``, and their checks, behind ``jaxaccum.flax``."""

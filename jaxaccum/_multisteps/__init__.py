@@ -1,0 +1,2 @@
+"""``MultiSteps`` / ``accumulate``: the Optax transformation that accumulates
+across calls."""

@@ -1,0 +1,162 @@
+"""One device's window under ``jax.shard_map``, manual over the data axes: the
+arguments each device sees, the specs in and out, and Explicit mesh axes."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jaxaccum._types import Fun, PyTree
+from jaxaccum._window import _split
+from jaxaccum._window._spec import WindowSpec
+
+
+class Frozen(NamedTuple):
+    """The arguments not mapped by role (positional ones outside argnums,
+    batch_argnums and key_argnums; keyword ones), split into the ``jax.Array``
+    leaves that enter the ``shard_map`` as arguments (it refuses to close over
+    an array sharded on an Explicit axis, even replicated) and the others,
+    closed over.
+
+    Attributes:
+      arrays: the array leaves, in flattening order.
+      leaves: every leaf of ``(positional, kwargs)``, mapped positions None.
+      treedef: the structure of ``(positional, kwargs)``.
+    """
+
+    arrays: list
+    leaves: list
+    treedef: Any
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict, mapped_nums: tuple[int, ...]) -> "Frozen":
+        positional = tuple(
+            None if num in mapped_nums else arg for num, arg in enumerate(args)
+        )
+        leaves, treedef = jax.tree.flatten((positional, kwargs))
+        arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+        return cls(arrays, leaves, treedef)
+
+    def rebuild(self, arrays: list) -> tuple[list, dict]:
+        """``(positional, kwargs)`` with ``arrays`` in place of the array
+        leaves (mapped positions None, for the caller to fill)."""
+        replacements = iter(arrays)
+        leaves = [
+            next(replacements) if isinstance(leaf, jax.Array) else leaf
+            for leaf in self.leaves
+        ]
+        positional, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        return list(positional), kwargs
+
+
+def shard_mapped(
+    on_device: Fun,
+    mapped_nums: tuple[int, ...],
+    options: WindowSpec,
+    mesh: Any,
+    param_specs: tuple,
+) -> Fun:
+    """``on_device(mapped, frozen_arrays)`` under ``shard_map``: batch
+    arguments split over the data axes, parameters as ``param_specs`` say
+    (their gradients too), keys and frozen arrays replicated over them."""
+    data_axes = options.data_axes
+    batch_entry = data_axes[0] if len(data_axes) == 1 else data_axes
+    specs = dict(zip(options.diff_nums, param_specs, strict=True))
+    for num in options.batch_nums:
+        specs[num] = PartitionSpec(batch_entry)
+
+    def step(mapped: tuple, frozen_arrays: list) -> PyTree:
+        # The context mesh: under auto_model_axes its non-data axes are Auto.
+        context = jax.sharding.get_abstract_mesh()
+        mapped_specs = tuple(specs.get(num, PartitionSpec()) for num in mapped_nums)
+        mapped_step = jax.shard_map(
+            on_device,
+            mesh=mesh if context.empty else context,
+            in_specs=(mapped_specs, PartitionSpec()),
+            out_specs=out_specs(options, param_specs),
+            axis_names=set(data_axes),
+        )
+        fitted = tuple(
+            value
+            if num in options.diff_nums
+            else fit_explicit(value, mesh, data_axes, num in options.batch_nums)
+            for num, value in zip(mapped_nums, mapped, strict=True)
+        )
+        return mapped_step(
+            fitted, fit_explicit(frozen_arrays, mesh, data_axes, split_rows=False)
+        )
+
+    return step
+
+
+def out_specs(options: WindowSpec, grad_specs: tuple) -> PyTree:
+    """Specs of the accumulated function's outputs: ``grad_specs`` (one tree
+    per differentiated argument) for the gradients, replicated otherwise."""
+    grads = grad_specs[0] if isinstance(options.argnums, int) else grad_specs
+    value = (PartitionSpec(), PartitionSpec()) if options.has_aux else PartitionSpec()
+    out_specs = (value, grads)
+    return (out_specs, PartitionSpec()) if options.reports else out_specs
+
+
+def auto_model_axes(step: Fun, diff_args: tuple, options: WindowSpec, mesh: Any) -> Fun:
+    """Runs ``step`` with the Explicit mesh axes other than the data axes made
+    Auto (``jax.sharding.auto_axes``); the gradients leave sharded as the
+    parameters are.
+
+    A ``shard_map`` manual over the data axes all-gathers, at its boundary,
+    every input sharded over an Explicit axis it leaves alone, and slices it
+    again inside (on JAX 0.10.2 a tensor-parallel weight is moved whole at
+    every call). Over Auto axes it keeps the sharding and does not.
+    """
+    model_axes = tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit and name not in options.data_axes
+    )
+    if not model_axes:
+        return step
+    param_specs = jax.tree.map(lambda leaf: jax.typeof(leaf).sharding.spec, diff_args)
+    auto_step = jax.sharding.auto_axes(
+        step, axes=model_axes, out_sharding=out_specs(options, param_specs)
+    )
+
+    def in_mesh(*step_args: PyTree) -> Any:
+        abstract = getattr(mesh, "abstract_mesh", mesh)
+        with jax.sharding.use_abstract_mesh(abstract):
+            return auto_step(*step_args)
+
+    return in_mesh
+
+
+def fit_explicit(
+    tree: PyTree, mesh: Any, data_axes: tuple[str, ...], split_rows: bool
+) -> Any:
+    """Reshards batch, key and frozen leaves to what the ``shard_map``
+    in_specs expect, if Explicit.
+
+    Over Explicit mesh axes ``shard_map`` does not reshard its inputs: batch
+    leaves must be sharded over exactly ``data_axes`` on axis 0, and keys and
+    frozen arrays not over them (gathered whole). Other mesh axes are kept.
+    """
+    if all(
+        mesh.axis_types[mesh.axis_names.index(a)] != AxisType.Explicit
+        for a in data_axes
+    ):
+        return tree
+
+    def without_data_axes(entry: Any) -> PyTree:
+        kept = tuple(name for name in _split.spec_names(entry) if name not in data_axes)
+        return kept[0] if len(kept) == 1 else kept or None
+
+    def fit(leaf: PyTree) -> Any:
+        spec = tuple(jax.typeof(leaf).sharding.spec)
+        spec += (None,) * (jnp.ndim(leaf) - len(spec))
+        wanted = [without_data_axes(entry) for entry in spec]
+        if split_rows:
+            wanted[0] = data_axes[0] if len(data_axes) == 1 else data_axes
+        if tuple(wanted) == spec:
+            return leaf
+        return jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec(*wanted)))
+
+    return jax.tree.map(fit, tree)
