@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from jaxaccum import growth as growth
 from jaxaccum._accumulate import accumulate as accumulate
 from jaxaccum._batch_nodes import register_batch_node as register_batch_node
+from jaxaccum._cached import cached_value_and_grad as cached_value_and_grad
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxaccum._loss_scale import LossScaleReport as LossScaleReport
 from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
@@ -69,6 +70,7 @@ __all__ = [
     "PipelinePlanRow",
     "WindowStats",
     "accumulate",
+    "cached_value_and_grad",
     "dynamic_loss_scale",
     "grad",
     "growth",
