@@ -386,14 +386,14 @@ def test_mutable_state_is_refused_with_why():
     with pytest.raises(ValueError, match="refuses an encoder with mutable state"):
         jaxaccum.cached_value_and_grad(batchnorm_encode, clip_loss, 2)(params, batch)
     with pytest.raises(TypeError, match="statistics would be each micro-batch's"):
-        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, state_argnums=2)  # type: ignore[call-arg]
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, state_argnums=2)
 
 
 def test_options_without_meaning_and_misspelt_ones_are_refused():
     with pytest.raises(TypeError, match="does not take reduction: the loss sees"):
-        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, reduction="sum")  # type: ignore[call-arg]
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, reduction="sum")
     with pytest.raises(TypeError, match="unknown keyword argument 'acum_dtype'"):
-        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, acum_dtype=None)  # type: ignore[call-arg]
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, acum_dtype=None)
     with pytest.raises(ValueError, match="exactly one of num_microbatches"):
         jaxaccum.cached_value_and_grad(encode, clip_loss, 2, microbatch_size=8)
 
