@@ -15,6 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from jaxaccum import growth as growth
+from jaxaccum._cached import cached_value_and_grad as cached_value_and_grad
 from jaxaccum._multisteps._accumulate import accumulate as accumulate
 from jaxaccum._multisteps._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps._state import MultiStepsState as MultiStepsState
@@ -69,6 +70,7 @@ __all__ = [
     "PipelinePlanRow",
     "WindowStats",
     "accumulate",
+    "cached_value_and_grad",
     "dynamic_loss_scale",
     "grad",
     "growth",

@@ -151,6 +151,15 @@ class ModePlanKwargs(_ShardCommon, _GatherDtype):
     """The options of :func:`jaxaccum.plan_modes`, which sets the modes."""
 
 
+class CachedKwargs(_Size, _HasAux, _Argnums, _BatchRoles, total=False):
+    """The options of :func:`jaxaccum.cached_value_and_grad`: the window's
+    split, roles, accumulation dtype and unroll (no reduction, state, pad,
+    mask, loss scale or remat: the loss sees the whole batch, once)."""
+
+    accum_dtype: DTypeLike | None
+    unroll: int | bool
+
+
 class PipelinePlanKwargs(_Window, _HasAux, _Finite, _ShardModes):
     """The options of :func:`jaxaccum.plan_pipeline`: it chooses ``M`` and
     plans unscaled windows."""

@@ -115,6 +115,11 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/test_equinox.py::test_weighted_loss_matches_the_full_batch_masked_mean[4]",
         "tests/test_equinox.py::test_multisteps_with_the_equinox_pattern_equals_one_big_batch_step",
     ),
+    "cached_value_and_grad: whole-batch losses equal the big batch, keys replayed": (
+        "tests/test_cached.py::test_float64_equals_the_big_batch",
+        "tests/test_cached.py::test_float32_within_rounding_and_the_temperature_counted_once",
+        "tests/test_cached.py::test_key_argnums_replays_pass_one_bitwise_in_pass_two",
+    ),
     "shard_value_and_grad: data parallel sums on 1 and 8 devices, 2 processes": (
         "tests/test_distributed.py::test_one_device_mesh_equals_value_and_grad",
         "tests/test_distributed.py::test_on_eight_devices[per_microbatch_mean_auto]",

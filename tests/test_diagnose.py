@@ -77,6 +77,9 @@ def test_names_batchnorm(mlp, num_microbatches):
     assert kinds(diagnosis) == ["batch_dependent"], report
     assert "BatchNorm" in diagnosis.causes[0].message
     assert "['batch_stats']['BatchNorm_0']['mean']" in report  # the state named
+    # Where the examples meet after a per-example encoder, the exact path.
+    assert "jaxaccum.cached_value_and_grad is exact" in report, report
+    assert "docs/guides/whole-batch.md" in report, report
     assert diagnosis.interaction > 1e-2, report
     # The price of micro-batch statistics, in the failure message if it changes.
     assert diagnosis.relative_error > 0.05, report

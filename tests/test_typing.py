@@ -62,6 +62,9 @@ WRONG = [
     "eqx_acc.filter_diagnose(loss, w, x, report_stat=True)",
     "testing.assert_grads_match_full_batch(loss, w, x, accum_dtype=3.5)",
     "testing.diagnose(loss, w, x, batch_argnums=1.0)",
+    'acc.cached_value_and_grad(loss, loss, 4, reduction="sum")',
+    "acc.cached_value_and_grad(loss, loss, 4, acum_dtype=None)",
+    "acc.cached_value_and_grad(loss, loss, 4, state_argnums=2)",
 ]
 
 RIGHT = [
@@ -91,6 +94,9 @@ RIGHT = [
     "eqx_acc.filter_diagnose(loss, w, x, num_microbatches=2, masked=True)",
     "testing.assert_grads_match_full_batch(loss, w, x, accum_dtype='float32')",
     "testing.diagnose(loss, w, x, num_microbatches=2, argnums=0)",
+    "acc.cached_value_and_grad(loss, loss, 4, key_argnums=2, accum_dtype=None)",
+    "acc.cached_value_and_grad(loss, loss, microbatch_size=2, argnums=(0, 2))",
+    "acc.cached_value_and_grad(loss, loss, 2, has_aux=True, unroll=True)",
 ]
 
 

@@ -94,6 +94,10 @@ def weights_cause(weights: np.ndarray, reduction: str) -> Cause:
     return Cause("unequal_weights", measured + fix)
 
 
+# The guide to losses that see the whole batch (gradient caching).
+WHOLE_BATCH_GUIDE = "docs/guides/whole-batch.md"
+
+
 def batch_dependent_cause(
     interaction: float, num: int, args: tuple, options: WindowSpec
 ) -> Cause:
@@ -116,7 +120,11 @@ def batch_dependent_cause(
         f"B/{num} examples, so no single-pass accumulation reproduces the full "
         "batch. Use "
         "GroupNorm or LayerNorm to match it exactly, or accept micro-batch "
-        "statistics (docs/guides/flax.md).",
+        "statistics (docs/guides/flax.md). Where the examples meet only after "
+        "a per-example encoder (a loss with in-batch negatives, a term of "
+        "batch statistics such as an MoE balance term), "
+        "jaxaccum.cached_value_and_grad is exact in two passes: "
+        f"{WHOLE_BATCH_GUIDE}.",
     )
 
 

@@ -1,0 +1,125 @@
+"""What the cached window takes from the library's core, imported here once:
+the window spec and its validators, the strided split, the call checks and
+the accumulation dtypes. The other modules of the package import from here."""
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum._types import PyTree
+from jaxaccum._window._accum_dtypes import accum_dtype_for, zeros_like_aval
+from jaxaccum._window._call_checks import check_arg_count, check_differentiable_args
+from jaxaccum._window._shard_spec import SHARD_OPTIONS
+from jaxaccum._window._spec import WindowSpec
+from jaxaccum._window._split import (
+    StridedBatch,
+    batch_size_of,
+    check_sharded_split,
+    resolve_num_microbatches,
+    strided_batch,
+    strided_view,
+    take_microbatch,
+)
+
+__all__ = [
+    "CachedWindow",
+    "WindowSpec",
+    "accum_dtype_for",
+    "cached_spec",
+    "check_arg_count",
+    "check_differentiable_args",
+    "strided_view",
+    "take_microbatch",
+    "window_of",
+    "zeros_like_aval",
+]
+
+_BATCH_COUPLED = (
+    "the loss sees the whole batch once, so there is nothing to reduce over "
+    "micro-batches"
+)
+
+# The core's options that have no meaning here, each with why and what to do.
+REFUSED: dict[str, str] = {
+    **SHARD_OPTIONS,
+    "reduction": f"{_BATCH_COUPLED}: loss returns the whole batch's value.",
+    "aux_reduction": f"{_BATCH_COUPLED}: aux is the loss's, computed once.",
+    "state_argnums": "an encoder with mutable state is refused. BatchNorm's "
+    "statistics would be each micro-batch's, not the big batch's, so the "
+    "result would not be the big batch's gradient; use LayerNorm or GroupNorm "
+    "in the encoder, or BatchNorm with its running averages "
+    "(use_running_average=True), and pass its statistics as a non-batch "
+    "argument.",
+    "pad": "the whole-batch loss has no per-example mask to apply: pass a "
+    "batch that N divides, or return a per-example mask from encode and "
+    "apply it in loss.",
+    "masked": "every micro-batch's outputs are needed for the loss: pass the "
+    "batch that the window holds.",
+    "loss_scale": "the loss runs once on outputs in accum_dtype; scale "
+    "nothing, or use jaxaccum.value_and_grad for a float16 loss scale.",
+    "remat": "pass 2 already recomputes each micro-batch's forward; "
+    "jax.checkpoint inside encode to save more.",
+    "report_finite": "check the value and gradients it returns with jnp.isfinite.",
+    "report_stats": "the window sums pullbacks of one whole-batch loss, not "
+    "micro-batch gradients, so it has no micro-batch moments to report.",
+}
+
+
+def cached_spec(num_microbatches: int | None, options: Mapping[str, Any]) -> WindowSpec:
+    """The window of a :func:`jaxaccum.cached_value_and_grad` call, validated
+    as every front end's is, the options above refused by name."""
+    return WindowSpec.create(
+        "cached_value_and_grad", num_microbatches, options, refused=REFUSED
+    )
+
+
+class CachedWindow(NamedTuple):
+    """A call's batch split into micro-batches, and their keys.
+
+    Attributes:
+      num_microbatches: ``N``.
+      microbatch_size: rows per micro-batch, ``B // N``.
+      batch: the batch argument(s) as a strided view: micro-batch ``k``
+        holds examples ``k, k + N, ...`` (the core's split, not copied).
+      keys: each key argument split into ``N`` keys as the core splits them
+        (the key itself, stacked once, at ``N = 1``); a scan's ``xs``.
+    """
+
+    num_microbatches: int
+    microbatch_size: int
+    batch: StridedBatch
+    keys: tuple
+
+    def microbatch(self, index: jax.typing.ArrayLike) -> PyTree:
+        """The batch argument(s) of micro-batch ``index``, a tuple."""
+        return self.batch.microbatch(index)
+
+
+def window_of(args: tuple, spec: WindowSpec) -> CachedWindow:
+    """The call's :class:`CachedWindow`, its batch checked as the core checks it.
+
+    Raises:
+      ValueError: for batch leaves of unequal sizes, or a batch ``N`` does not
+        divide (listing the ``N`` that do).
+    """
+    check_arg_count(args, spec)
+    labelled = [(f"args[{i}]", args[i]) for i in spec.batch_nums]
+    split = resolve_num_microbatches(
+        batch_size_of(labelled), spec.num_microbatches, spec.microbatch_size
+    )
+    num = split.num_microbatches
+    if num > 1:
+        check_sharded_split(labelled, split.padded_size, num)
+        keys = jax.tree.map(
+            lambda key: jax.random.split(key, num), key_args(args, spec)
+        )
+    else:  # one micro-batch gets the key unchanged, as jax.value_and_grad does
+        keys = jax.tree.map(lambda key: jnp.expand_dims(key, 0), key_args(args, spec))
+    batch = strided_batch(tuple(args[i] for i in spec.batch_nums), num)
+    return CachedWindow(num, split.microbatch_size, batch, keys)
+
+
+def key_args(args: tuple, spec: WindowSpec) -> tuple:
+    return tuple(args[i] for i in spec.key_nums)

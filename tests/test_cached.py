@@ -1,0 +1,476 @@
+"""cached_value_and_grad: a loss that sees the whole batch equals the big
+batch's ``jax.value_and_grad``, one micro-batch at a time.
+
+The claim is the big batch's value and gradient up to rounding: the same
+sums in another order (the pullbacks summed over micro-batches, then the
+loss's direct part added). In float64 that is within 1e-12 of the big batch
+(the issue's figure; float64 rounding, ``2**-53`` per operation over the
+tests' sums of at most 64 terms, is below 1e-14); in float32 within 1e-5
+normwise per leaf (``tests/tolerances.py``'s ``RTOL``, 1.5e-5 per
+coordinate, bounds each coordinate; a norm is at most as far off as its
+largest coordinate relative to it). A real mistake (a micro-batch's
+cotangent given to another, the temperature counted N times, fresh dropout
+in pass 2) moves the gradient by 1e-2 and more.
+"""
+
+import contextlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import ATOL, RTOL
+
+import jaxaccum
+
+BATCH = 16
+FEATURES = 6
+EMBED = 4
+
+FLOAT64_TOL = 1e-12
+FLOAT32_NORMWISE_TOL = 1e-5
+
+
+@contextlib.contextmanager
+def float64():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def towers(dtype=jnp.float32, seed=0):
+    """Two towers' parameters and a batch: images, texts, hard negatives, labels."""
+    keys = jax.random.split(jax.random.key(seed), 8)
+
+    def dense(key, fan_in, fan_out):
+        return jax.random.normal(key, (fan_in, fan_out), dtype) / np.sqrt(fan_in)
+
+    params = {
+        "image": (dense(keys[0], FEATURES, 8), dense(keys[1], 8, EMBED)),
+        "text": (dense(keys[2], FEATURES, 8), dense(keys[3], 8, EMBED)),
+        "log_scale": jnp.asarray(np.log(4.0), dtype),  # CLIP's learnable temperature
+    }
+    batch = {
+        "image": jax.random.normal(keys[4], (BATCH, FEATURES), dtype),
+        "text": jax.random.normal(keys[5], (BATCH, FEATURES), dtype),
+        "hard": jax.random.normal(keys[6], (BATCH, FEATURES), dtype),
+        "label": jax.random.randint(keys[7], (BATCH,), 0, 5),
+    }
+    return params, batch
+
+
+def tower(weights, x):
+    first, second = weights
+    return jnp.tanh(x @ first) @ second
+
+
+def encode(params, batch):
+    """Per-example outputs: both embeddings, a hard negative's, the label."""
+    return {
+        "image": tower(params["image"], batch["image"]),
+        "text": tower(params["text"], batch["text"]),
+        "hard": tower(params["text"], batch["hard"]),
+        "label": batch["label"],
+    }
+
+
+def normalized(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def clip_loss(params, outputs):
+    """CLIP's symmetric InfoNCE with a learnable temperature, each image's
+    texts extended by the batch's hard negatives, the examples of one label
+    positives of each other."""
+    image, text = normalized(outputs["image"]), normalized(outputs["text"])
+    hard = normalized(outputs["hard"])
+    scale = jnp.exp(params["log_scale"])
+    logits = scale * image @ jnp.concatenate([text, hard]).T
+    label = outputs["label"]
+    positive = label[:, None] == label[None, :]
+    image_to_text = jax.nn.logsumexp(
+        jnp.where(positive, logits[:, :BATCH], -jnp.inf), axis=1
+    ) - jax.nn.logsumexp(logits, axis=1)
+    text_to_image = jnp.diagonal(jax.nn.log_softmax(logits[:, :BATCH].T, axis=1))
+    return -(jnp.mean(image_to_text) + jnp.mean(text_to_image)) / 2
+
+
+def big_batch(encode_fn, loss_fn, argnums=0, has_aux=False):
+    """The contract: jax.value_and_grad of the loss on the encoded batch."""
+    return jax.jit(
+        jax.value_and_grad(
+            lambda p, b, *a: loss_fn(p, encode_fn(p, b, *a), *a),
+            argnums=argnums,
+            has_aux=has_aux,
+        )
+    )
+
+
+def relative_errors(got, want):
+    """Each leaf's (and the value's) normwise relative error."""
+    return jax.tree.map(
+        lambda g, w: float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)), got, want
+    )
+
+
+def assert_normwise_close(got, want, tol):
+    errors = relative_errors(got, want)
+    worst = max(jax.tree.leaves(errors))
+    assert worst <= tol, f"normwise relative errors {errors} above {tol}"
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 8, BATCH])
+def test_float64_equals_the_big_batch(num_microbatches):
+    with float64():
+        params, batch = towers(jnp.float64)
+        step = jaxaccum.cached_value_and_grad(encode, clip_loss, num_microbatches)
+        got = jax.jit(step)(params, batch)
+        want = jax.jit(big_batch(encode, clip_loss))(params, batch)
+        assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(got))
+        chex.assert_trees_all_close(got, want, rtol=FLOAT64_TOL, atol=FLOAT64_TOL)
+        assert_normwise_close(got, want, FLOAT64_TOL)
+
+
+@pytest.mark.parametrize("num_microbatches", [2, 8, BATCH])
+def test_float32_within_rounding_and_the_temperature_counted_once(num_microbatches):
+    params, batch = towers()
+    step = jaxaccum.cached_value_and_grad(encode, clip_loss, num_microbatches)
+    got = jax.jit(step)(params, batch)
+    want = jax.jit(big_batch(encode, clip_loss))(params, batch)
+    assert_normwise_close(got, want, FLOAT32_NORMWISE_TOL)
+    # The temperature's gradient is the loss's own, once: N times it (as a
+    # loop that runs the whole-batch loss per micro-batch gives) is far off.
+    direct = want[1]["log_scale"]
+    assert abs(direct) > 1e-2, direct
+    assert abs(got[1]["log_scale"] - direct) <= FLOAT32_NORMWISE_TOL * abs(direct)
+
+
+def test_in_batch_negatives_are_lost_by_plain_accumulation():
+    """The reason for the two passes: the same loss accumulated by
+    value_and_grad scores each example against B/N - 1 negatives only."""
+    params, batch = towers()
+    want = big_batch(encode, clip_loss)(params, batch)
+    naive = jax.jit(
+        jaxaccum.value_and_grad(lambda p, b: clip_loss_at(p, encode(p, b)), 4)
+    )
+    with pytest.raises(AssertionError):
+        assert_normwise_close(naive(params, batch), want, 1e-2)
+
+
+def clip_loss_at(params, outputs):
+    """clip_loss on a batch of any size (the naive window's micro-batches)."""
+    image, text = normalized(outputs["image"]), normalized(outputs["text"])
+    logits = jnp.exp(params["log_scale"]) * image @ text.T
+    labels = jnp.arange(image.shape[0])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+
+def test_has_aux_returns_the_loss_aux_on_the_whole_batch():
+    def loss_with_aux(params, outputs):
+        return clip_loss(params, outputs), {"rows": outputs["image"].shape[0]}
+
+    params, batch = towers()
+    step = jaxaccum.cached_value_and_grad(encode, loss_with_aux, 4, has_aux=True)
+    (value, aux), grads = jax.jit(step)(params, batch)
+    (want_value, want_aux), want_grads = big_batch(encode, loss_with_aux, has_aux=True)(
+        params, batch
+    )
+    assert aux == want_aux == {"rows": BATCH}
+    assert_normwise_close((value, grads), (want_value, want_grads), 1e-5)
+
+
+def test_several_argnums_and_a_loss_only_argument():
+    """The encoder's parameters and a bias the loss alone uses (argument 2),
+    both differentiated; a non-differentiated argument passed to both."""
+
+    def encode_with(params, batch, bias, shift):
+        del bias
+        return {"image": tower(params["image"], batch["image"]) + shift}
+
+    def loss_with(params, outputs, bias, shift):
+        del params, shift
+        scores = outputs["image"] @ outputs["image"].T + bias
+        return jnp.mean(jax.nn.log_sigmoid(-scores))
+
+    params, batch = towers()
+    args = (params, batch, jnp.asarray(-1.5), jnp.asarray(0.25))
+    step = jaxaccum.cached_value_and_grad(encode_with, loss_with, 4, argnums=(0, 2))
+    got = jax.jit(step)(*args)
+    want = big_batch(encode_with, loss_with, argnums=(0, 2))(*args)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    # The text tower and temperature are unused: zero, like the big batch's.
+    assert_normwise_close(
+        (got[0], got[1][0]["image"], got[1][1]),
+        (want[0], want[1][0]["image"], want[1][1]),
+        FLOAT32_NORMWISE_TOL,
+    )
+
+
+def dropout_encode(params, batch, key):
+    """The image tower with dropout drawn from the micro-batch's key."""
+    first, second = params["image"]
+    hidden = jnp.tanh(batch["image"] @ first)
+    keep = jax.random.bernoulli(key, 0.6, hidden.shape)
+    return {"image": (jnp.where(keep, hidden, 0.0) / 0.6) @ second}
+
+
+def self_similarity_loss(params, outputs, key):
+    del key
+    image = outputs["image"]
+    logits = jnp.exp(params["log_scale"]) * image @ image.T / EMBED
+    labels = jnp.arange(image.shape[0])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+
+def test_key_argnums_replays_pass_one_bitwise_in_pass_two():
+    """Each micro-batch's forward in pass 2 is pass 1's, bit for bit, and
+    draws the key value_and_grad's split gives it."""
+    num = 4
+    params, batch = towers()
+    key = jax.random.key(7)
+    seen: dict[bytes, list[np.ndarray]] = {}
+
+    def recording_encode(params, batch, key):
+        outputs = dropout_encode(params, batch, key)
+
+        def record(images, embedded):
+            seen.setdefault(np.asarray(images).tobytes(), []).append(
+                np.asarray(embedded)
+            )
+
+        jax.debug.callback(record, batch["image"], outputs["image"])
+        return outputs
+
+    step = jaxaccum.cached_value_and_grad(
+        recording_encode, self_similarity_loss, num, key_argnums=2
+    )
+    got = jax.block_until_ready(jax.jit(step)(params, batch, key))
+    micro_batches = jaxaccum.split_batch(batch, num)
+    micro_keys = jax.random.split(key, num)
+    assert len(seen) == num, len(seen)
+    for index in range(num):
+        micro = jax.tree.map(lambda x, i=index: x[i], micro_batches)
+        first_pass, second_pass = seen[np.asarray(micro["image"]).tobytes()]
+        np.testing.assert_array_equal(first_pass, second_pass)
+        direct = dropout_encode(params, micro, micro_keys[index])["image"]
+        np.testing.assert_array_equal(first_pass, direct)
+
+    # The gradient of the big batch with those masks.
+    def composed(params, micro_keys):
+        outputs = [
+            dropout_encode(
+                params,
+                jax.tree.map(lambda x, i=i: x[i], micro_batches),
+                micro_keys[i],
+            )
+            for i in range(num)
+        ]
+        image = jnp.stack([o["image"] for o in outputs], 1).reshape(BATCH, EMBED)
+        return self_similarity_loss(params, {"image": image}, key)
+
+    want = jax.jit(jax.value_and_grad(composed))(params, micro_keys)
+    assert_normwise_close(
+        (got[0], got[1]["image"], got[1]["log_scale"]),
+        (want[0], want[1]["image"], want[1]["log_scale"]),
+        FLOAT32_NORMWISE_TOL,
+    )
+
+
+def test_key_argnums_at_one_microbatch_is_the_big_batch():
+    params, batch = towers()
+    key = jax.random.key(3)
+    step = jaxaccum.cached_value_and_grad(
+        dropout_encode, self_similarity_loss, 1, key_argnums=2
+    )
+    got = jax.jit(step)(params, batch, key)
+    want = big_batch(dropout_encode, self_similarity_loss)(params, batch, key)
+    assert_normwise_close(
+        (got[0], got[1]["image"]), (want[0], want[1]["image"]), FLOAT32_NORMWISE_TOL
+    )
+
+
+@pytest.mark.parametrize("num_microbatches", [2, 8])
+def test_per_example_keys_give_the_big_batch_dropout_at_any_n(num_microbatches):
+    def keyed_encode(params, batch):
+        first, second = params["image"]
+        hidden = jnp.tanh(batch["image"] @ first)
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.6, hidden.shape[1:]))(
+            batch["key"]
+        )
+        return {"image": (jnp.where(keep, hidden, 0.0) / 0.6) @ second}
+
+    def loss(params, outputs):
+        return self_similarity_loss(params, outputs, None)
+
+    params, batch = towers()
+    batch = {"image": batch["image"], "key": jax.random.split(jax.random.key(5), BATCH)}
+    step = jaxaccum.cached_value_and_grad(keyed_encode, loss, num_microbatches)
+    got = jax.jit(step)(params, batch)
+    want = big_batch(keyed_encode, loss)(params, batch)
+    assert_normwise_close(
+        (got[0], got[1]["image"], got[1]["log_scale"]),
+        (want[0], want[1]["image"], want[1]["log_scale"]),
+        FLOAT32_NORMWISE_TOL,
+    )
+
+
+NUM_EXPERTS = 4
+
+
+def router_encode(params, batch):
+    """An MoE router's per-example outputs: its probabilities and the one-hot
+    expert each example is dispatched to (top-1)."""
+    probs = jax.nn.softmax(batch["image"] @ params["router"])
+    dispatched = jax.nn.one_hot(jnp.argmax(probs, axis=-1), NUM_EXPERTS)
+    return {"probs": probs, "dispatched": dispatched}
+
+
+def balance_loss(params, outputs):
+    """The load-balancing term N_E * sum_i f_i * P_i: f_i the fraction of the
+    batch dispatched to expert i, P_i its mean router probability."""
+    del params
+    fraction = jnp.mean(outputs["dispatched"], axis=0)
+    mean_prob = jnp.mean(outputs["probs"], axis=0)
+    return NUM_EXPERTS * jnp.sum(fraction * mean_prob)
+
+
+def test_moe_balance_term_over_the_whole_batch_is_exact_and_per_microbatch_is_not():
+    _, batch = towers()
+    router = jax.random.normal(jax.random.key(11), (FEATURES, NUM_EXPERTS))
+    params = {"router": router}
+    want = big_batch(router_encode, balance_loss)(params, batch)
+    step = jaxaccum.cached_value_and_grad(router_encode, balance_loss, 8)
+    assert_normwise_close(jax.jit(step)(params, batch), want, FLOAT32_NORMWISE_TOL)
+    # The per-micro-batch term (MaxText's per-sequence, value_and_grad's
+    # mean over micro-batches) is another objective: value and gradient move.
+    naive = jaxaccum.value_and_grad(
+        lambda p, b: balance_loss(p, router_encode(p, b)), 8
+    )
+    errors = relative_errors(jax.jit(naive)(params, batch), want)
+    assert min(jax.tree.leaves(errors)) > 1e-2, errors
+
+
+def test_refusals_name_the_leaf_the_sizes_and_the_fix():
+    params, batch = towers()
+    with pytest.raises(ValueError, match="not divisible by num_microbatches=3"):
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 3)(params, batch)
+
+    def pooled_encode(params, batch):
+        outputs = encode(params, batch)
+        return {**outputs, "mean": jnp.mean(outputs["image"], axis=0)}
+
+    with pytest.raises(ValueError, match=r"output outputs\['mean'\] has shape \(4,\)"):
+        jaxaccum.cached_value_and_grad(pooled_encode, clip_loss, 2)(params, batch)
+
+    def scale_encode(params, batch):
+        return {**encode(params, batch), "scale": params["log_scale"]}
+
+    with pytest.raises(ValueError, match=r"outputs\['scale'\] has shape \(\)"):
+        jaxaccum.cached_value_and_grad(scale_encode, clip_loss, 1)(params, batch)
+
+
+def test_mutable_state_is_refused_with_why():
+    params, batch = towers()
+
+    def batchnorm_encode(params, batch):
+        outputs = encode(params, batch)
+        stats = {"mean": jnp.mean(outputs["image"], axis=0)}
+        return outputs, {"batch_stats": stats}
+
+    with pytest.raises(ValueError, match="refuses an encoder with mutable state"):
+        jaxaccum.cached_value_and_grad(batchnorm_encode, clip_loss, 2)(params, batch)
+    with pytest.raises(TypeError, match="statistics would be each micro-batch's"):
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, state_argnums=2)
+
+
+def test_options_without_meaning_and_misspelt_ones_are_refused():
+    with pytest.raises(TypeError, match="does not take reduction: the loss sees"):
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, reduction="sum")
+    with pytest.raises(TypeError, match="unknown keyword argument 'acum_dtype'"):
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, acum_dtype=None)
+    with pytest.raises(ValueError, match="exactly one of num_microbatches"):
+        jaxaccum.cached_value_and_grad(encode, clip_loss, 2, microbatch_size=8)
+
+
+def test_compiled_once_whatever_n():
+    """The encoder is traced once per pass, at any N, and a step compiles once."""
+    params, batch = towers()
+    traces = []
+
+    def counted_encode(params, batch):
+        traces.append(1)
+        return encode(params, batch)
+
+    counts = {}
+    for num in (2, 8):
+        traces.clear()
+        step = jaxaccum.cached_value_and_grad(counted_encode, clip_loss, num)
+        jax.jit(step).lower(params, batch)
+        counts[num] = len(traces)
+    assert counts == {2: 2, 8: 2}, counts
+
+    step = jaxaccum.cached_value_and_grad(encode, clip_loss, 4)
+    jitted = jax.jit(chex.assert_max_traces(step, n=1))
+    jitted(params, batch)
+    other_params, other_batch = towers(seed=1)
+    jitted(other_params, other_batch)
+
+
+def biased_loss(params, outputs, bias):
+    """A SigLIP-style pairwise loss with a learnable bias (argument 2)."""
+    image, text = normalized(outputs["image"]), normalized(outputs["text"])
+    logits = jnp.exp(params["log_scale"]) * image @ text.T + bias
+    signs = 2 * jnp.eye(image.shape[0]) - 1
+    return -jnp.mean(jax.nn.log_sigmoid(signs * logits))
+
+
+def biased_encode(params, batch, bias):
+    del bias
+    return {
+        "image": tower(params["image"], batch["image"]),
+        "text": tower(params["text"], batch["text"]),
+    }
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    split=st.sampled_from(
+        [("num", 1), ("num", 2), ("num", 8), ("size", 4), ("size", 1)]
+    ),
+    argnums=st.sampled_from([0, (0, 2), (2, 0)]),
+    has_aux=st.booleans(),
+    accum_dtype=st.sampled_from([jnp.float32, None]),
+    unroll=st.sampled_from([1, 2, True]),
+)
+def test_property_any_options_equal_the_big_batch(
+    split, argnums, has_aux, accum_dtype, unroll
+):
+    params, batch = towers()
+    batch = {"image": batch["image"][:8], "text": batch["text"][:8]}
+    bias = jnp.asarray(-2.0)
+    loss = biased_loss
+    if has_aux:
+        loss = lambda p, o, b: (biased_loss(p, o, b), jnp.sum(o["image"]))  # noqa: E731
+    kind, count = split
+    options = {"num_microbatches": count} if kind == "num" else {}
+    if kind == "size":
+        options["microbatch_size"] = count
+    step = jaxaccum.cached_value_and_grad(
+        biased_encode,
+        loss,
+        argnums=argnums,
+        has_aux=has_aux,
+        accum_dtype=accum_dtype,
+        unroll=unroll,
+        **options,
+    )
+    got = jax.jit(step)(params, batch, bias)
+    want = big_batch(biased_encode, loss, argnums, has_aux)(params, batch, bias)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
