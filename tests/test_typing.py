@@ -23,7 +23,7 @@ import optax
 import jaxaccum as acc
 from jaxaccum import equinox as eqx_acc
 from jaxaccum import flax as flax_acc
-from jaxaccum import testing
+from jaxaccum import losses, testing
 
 
 def loss(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -62,6 +62,8 @@ WRONG = [
     "eqx_acc.filter_diagnose(loss, w, x, report_stat=True)",
     "testing.assert_grads_match_full_batch(loss, w, x, accum_dtype=3.5)",
     "testing.diagnose(loss, w, x, batch_argnums=1.0)",
+    "losses.softmax_contrastive(x, x, 10.0, blocksize=4)",
+    'losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size="4")',
 ]
 
 RIGHT = [
@@ -91,6 +93,8 @@ RIGHT = [
     "eqx_acc.filter_diagnose(loss, w, x, num_microbatches=2, masked=True)",
     "testing.assert_grads_match_full_batch(loss, w, x, accum_dtype='float32')",
     "testing.diagnose(loss, w, x, num_microbatches=2, argnums=0)",
+    "losses.softmax_contrastive(x, x, jnp.exp(jnp.log(10.0)), block_size=4)",
+    "losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size=2)",
 ]
 
 
