@@ -91,7 +91,8 @@ def softmax_contrastive(
     taken a block at a time, the columns' with a running max and sum across
     blocks, and the backward recomputes each block's logits: memory
     O(B·D + block_size·B). Differentiable in ``x``, ``y`` and ``logit_scale``
-    (a ``jax.custom_vjp``); it jits, and each call traces once per shape.
+    in reverse mode (a ``jax.custom_vjp``: ``jax.grad``, not ``jax.jvp``); it
+    jits and vmaps.
 
     Args:
       x: ``(B, D)`` embeddings of one modality (images), floating point. Not
@@ -154,7 +155,8 @@ def sigmoid_contrastive(
     paper's pseudo-code and open_clip's ``SigLipLoss``; not a mean over the
     pairs). Computed a block of rows at a time, the backward recomputing each
     block's logits: memory O(B·D + block_size·B). Differentiable in ``x``,
-    ``y``, ``logit_scale`` and ``logit_bias`` (a ``jax.custom_vjp``).
+    ``y``, ``logit_scale`` and ``logit_bias`` in reverse mode (a
+    ``jax.custom_vjp``: ``jax.grad``, not ``jax.jvp``).
 
     Args:
       x: ``(B, D)`` embeddings of one modality, floating point; not normalised
