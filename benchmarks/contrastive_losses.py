@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-sizes", type=int, nargs="*", default=[1024, 8192])
     parser.add_argument("--compile-sizes", type=int, nargs="*", default=[65536])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rows = [
         measure(name, batch_size, run, args.repeats)
