@@ -23,6 +23,7 @@ from typing import Any
 PUBLIC_MODULES = (
     "jaxaccum",
     "jaxaccum.growth",
+    "jaxaccum.losses",
     "jaxaccum.testing",
     "jaxaccum.flax",
     "jaxaccum.equinox",
@@ -32,7 +33,7 @@ FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.S | re.M)
 # A code span that is not a link's text nor part of one.
 CODE_SPAN = re.compile(r"(?<![\[`])`([^`]+?)`(?![`\]])")
 NAME = re.compile(
-    r"^((?:jaxaccum\.)?(?:(?:growth|testing|flax|equinox)\.)?[A-Za-z_]\w*)(\(.*\))?$",
+    r"^((?:jaxaccum\.)?(?:(?:growth|losses|testing|flax|equinox)\.)?[A-Za-z_]\w*)(\(.*\))?$",
     re.S,
 )
 DIRECTIVE = re.compile(r"^::: ([\w.]+)", flags=re.M)

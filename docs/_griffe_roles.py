@@ -29,6 +29,7 @@ import griffe
 PUBLIC_MODULES = (
     "jaxaccum",
     "jaxaccum.growth",
+    "jaxaccum.losses",
     "jaxaccum.testing",
     "jaxaccum.flax",
     "jaxaccum.equinox",

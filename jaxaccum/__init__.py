@@ -2,11 +2,12 @@
 
 The core every user of accumulation needs (why each name is here:
 docs/api/index.md); the implementation lives in private modules named for
-their concept. Two sub-namespaces: ``jaxaccum.growth`` (batch-size
-controllers, the learning-rate rule, step cost, noise-scale averages) and
+their concept. Three sub-namespaces: ``jaxaccum.growth`` (batch-size
+controllers, the learning-rate rule, step cost, noise-scale averages),
+``jaxaccum.losses`` (contrastive losses that never hold the B x B logits) and
 ``jaxaccum.testing`` (chex assertions, diagnosis, the compiled program's
-collectives), which loads on first use so that ``import jaxaccum`` does not
-load chex. ``jaxaccum.flax`` and ``jaxaccum.equinox`` load when imported.
+collectives); the last two load on first use, so that ``import jaxaccum`` does
+not load chex. ``jaxaccum.flax`` and ``jaxaccum.equinox`` load when imported.
 """
 
 import importlib
@@ -48,6 +49,7 @@ from jaxaccum._window._split import pad_microbatches as pad_microbatches
 from jaxaccum._window._split import split_batch as split_batch
 
 if TYPE_CHECKING:
+    from jaxaccum import losses as losses
     from jaxaccum import testing as testing
 
 try:
@@ -74,6 +76,7 @@ __all__ = [
     "dynamic_loss_scale",
     "grad",
     "growth",
+    "losses",
     "masked_sum",
     "pad_microbatches",
     "parse_memory_budget",
@@ -90,6 +93,8 @@ __all__ = [
     "update_loss_scale",
     "value_and_grad",
 ]
+
+_LAZY_NAMESPACES = ("losses", "testing")
 
 # Top-level names of 0.1 that moved: (module, name) of their new home. They
 # keep working, with a DeprecationWarning, until jaxaccum 0.3.0.
@@ -126,14 +131,15 @@ _GONE = {
 
 
 def __dir__() -> list[str]:
-    """The public names: the core and the two sub-namespaces."""
+    """The public names: the core and the three sub-namespaces."""
     return sorted(__all__)
 
 
 def __getattr__(name: str) -> Any:
-    # `jaxaccum.testing` without importing it first; chex loads then.
-    if name == "testing":
-        return importlib.import_module("jaxaccum.testing")
+    # `jaxaccum.testing` (chex loads then) and `jaxaccum.losses` without
+    # importing them first.
+    if name in _LAZY_NAMESPACES:
+        return importlib.import_module(f"jaxaccum.{name}")
     if name in _MOVED:
         module, new_name = _MOVED[name]
         warnings.warn(

@@ -168,9 +168,15 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/test_testing.py::test_passes_on_a_correct_mean_loss",
         "tests/test_testing.py::test_failure_names_leaf_error_and_n",
     ),
+    "blockwise contrastive losses: the formula within float32 rounding, float64": (
+        "tests/test_losses.py::test_value_and_gradients_are_the_formulas_within_float32_rounding",
+        "tests/test_losses.py::test_float64_is_the_formula_within_1e_12",
+        "tests/test_losses.py::test_bfloat16_inputs_are_summed_in_float32",
+    ),
     "the derived tolerances catch wrong answers": (
         "tests/test_fuzz.py::test_tolerance_catches_wrong_answers",
         "tests/test_option_matrix.py::test_tolerance_catches_wrong_answers",
+        "tests/test_losses.py::test_the_bound_catches_wrong_answers",
     ),
     "bitwise: the same step twice, a window resumed mid-way": (
         "tests/test_reliability.py::test_same_step_twice_gives_bitwise_identical_gradients[mean]",

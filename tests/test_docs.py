@@ -33,6 +33,7 @@ PAGES = [
 PUBLIC_MODULES = (
     "jaxaccum",
     "jaxaccum.growth",
+    "jaxaccum.losses",
     "jaxaccum.testing",
     "jaxaccum.flax",
     "jaxaccum.equinox",

@@ -85,8 +85,8 @@ def test_a_missing_extra_names_the_install_command(module, extra, missing):
 def test_no_module_is_named_like_a_public_function():
     modules = {info.name for info in pkgutil.iter_modules([str(PACKAGE)])}
     public_modules = {name for name in modules if not name.startswith("_")}
-    assert public_modules == {"testing", "flax", "equinox", "cli", "growth"}
-    namespaces = {"testing", "growth"}  # the sub-namespaces, in __all__
+    assert public_modules == {"testing", "flax", "equinox", "cli", "growth", "losses"}
+    namespaces = {"testing", "growth", "losses"}  # the sub-namespaces, in __all__
     assert not (public_modules - namespaces) & set(jaxaccum.__all__)
     for name in jaxaccum.__all__:
         assert not inspect.ismodule(getattr(jaxaccum, name)) or name in namespaces
@@ -120,7 +120,7 @@ def test_init_only_re_exports():
         if isinstance(node, ast.FunctionDef | ast.ClassDef)
     ]
     # __dir__: the public names; __getattr__: the lazy jaxaccum.testing and
-    # the moved names' shims. Nothing else.
+    # jaxaccum.losses, and the moved names' shims. Nothing else.
     assert defined == ["__dir__", "__getattr__"]
     assert jaxaccum.__version__ == "0.1.0"
 
@@ -184,10 +184,11 @@ CORE = {
 }
 
 
-def test_the_top_level_is_the_core_and_two_namespaces():
-    """dir(jaxaccum) is the core, jaxaccum.growth and jaxaccum.testing; the
-    export list is the re-exported names, one list (no name exported twice)."""
-    assert set(dir(jaxaccum)) == CORE | {"growth", "testing"}
+def test_the_top_level_is_the_core_and_three_namespaces():
+    """dir(jaxaccum) is the core, jaxaccum.growth, jaxaccum.losses and
+    jaxaccum.testing; the export list is the re-exported names, one list (no
+    name exported twice)."""
+    assert set(dir(jaxaccum)) == CORE | {"growth", "losses", "testing"}
     assert sorted(jaxaccum.__all__) == sorted(dir(jaxaccum))
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
     re_exported = {
@@ -197,8 +198,8 @@ def test_the_top_level_is_the_core_and_two_namespaces():
         for alias in node.names
         if alias.asname == alias.name
     }
-    assert re_exported | {"testing"} == set(jaxaccum.__all__)
-    for name in ("jaxaccum.growth", "jaxaccum.testing"):
+    assert re_exported | {"losses", "testing"} == set(jaxaccum.__all__)
+    for name in ("jaxaccum.growth", "jaxaccum.losses", "jaxaccum.testing"):
         namespace = importlib.import_module(name)
         assert not set(namespace.__all__) & CORE, name
 

@@ -36,6 +36,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 PUBLIC_MODULES = (
     "jaxaccum",
     "jaxaccum.growth",
+    "jaxaccum.losses",
     "jaxaccum.testing",
     "jaxaccum.flax",
     "jaxaccum.equinox",
@@ -284,8 +285,11 @@ def test_search_finds_every_public_name_at_its_api_entry(site):
     docs, separator = _search(site)
     sections = {doc["location"]: doc for doc in docs}
     entries = _api_entries()
-    # `jaxaccum.testing` is in jaxaccum.__all__; its entry is its module page.
-    entries["jaxaccum.testing"] = entries.get("jaxaccum.testing", "api/testing/")
+    # `jaxaccum.testing` and `jaxaccum.losses` are in jaxaccum.__all__; each
+    # one's entry is its module page.
+    for module in ("testing", "losses"):
+        name = f"jaxaccum.{module}"
+        entries[name] = entries.get(name, f"api/{module}/")
     missed = []
     for public in _public_names():
         name = public.rsplit(".", 1)[-1]

@@ -23,7 +23,7 @@ import optax
 import jaxaccum as acc
 from jaxaccum import equinox as eqx_acc
 from jaxaccum import flax as flax_acc
-from jaxaccum import testing
+from jaxaccum import losses, testing
 
 
 def loss(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -65,6 +65,8 @@ WRONG = [
     'acc.cached_value_and_grad(loss, loss, 4, reduction="sum")',
     "acc.cached_value_and_grad(loss, loss, 4, acum_dtype=None)",
     "acc.cached_value_and_grad(loss, loss, 4, state_argnums=2)",
+    "losses.softmax_contrastive(x, x, 10.0, blocksize=4)",
+    'losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size="4")',
 ]
 
 RIGHT = [
@@ -97,6 +99,8 @@ RIGHT = [
     "acc.cached_value_and_grad(loss, loss, 4, key_argnums=2, accum_dtype=None)",
     "acc.cached_value_and_grad(loss, loss, microbatch_size=2, argnums=(0, 2))",
     "acc.cached_value_and_grad(loss, loss, 2, has_aux=True, unroll=True)",
+    "losses.softmax_contrastive(x, x, jnp.exp(jnp.log(10.0)), block_size=4)",
+    "losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size=2)",
 ]
 
 

@@ -1,0 +1,227 @@
+"""The contrastive losses a block of rows at a time, with a recomputing backward.
+
+Both losses score every row of ``x`` against every row of ``y``: a B x B
+matrix of logits. Forward and backward scan over blocks of ``block_size`` rows
+of ``x`` (against all of ``y``), so no more than ``block_size x B`` logits
+exist at once; the backward (a ``jax.custom_vjp``) recomputes each block's
+logits instead of saving them. What each saves for the backward is O(B): the
+inputs and, for the softmax loss, one log-sum-exp per row and per column.
+
+The rows past B in the last block are zeros, masked out of every sum. Logits
+and sums are in ``accum`` (float32, or float64 for float64 inputs): a bfloat16
+embedding's products are exact in float32, and its sums are taken there.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+
+class _Blocks(NamedTuple):
+    """The rows of ``x`` as ``(num_blocks, block_size, ...)`` scan inputs."""
+
+    x: Array  # (num_blocks, block_size, D): rows past B are zeros
+    valid: Array  # (num_blocks, block_size): whether a row is one of the B
+    rows: Array  # (num_blocks, block_size): each row's index in x
+
+
+def _blocks(x: Array, block_size: int) -> _Blocks:
+    batch = x.shape[0]
+    num_blocks = -(-batch // block_size)
+    padded = jnp.pad(x, ((0, num_blocks * block_size - batch), (0, 0)))
+    rows = jnp.arange(num_blocks * block_size).reshape(num_blocks, block_size)
+    return _Blocks(padded.reshape(num_blocks, block_size, -1), rows < batch, rows)
+
+
+def _unblock(blocks: Array, batch: int) -> Array:
+    """``(num_blocks, block_size, D)`` back to the B rows."""
+    return blocks.reshape(-1, blocks.shape[-1])[:batch]
+
+
+def accum_dtype(*arrays: Array) -> jnp.dtype:
+    """Float32, or float64 where an input is float64."""
+    return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
+
+
+def _dot_rows(x_block: Array, y: Array, accum: jnp.dtype) -> Array:
+    """``x_block @ y.T`` in ``accum``: one block of the raw similarities."""
+    return jnp.dot(x_block, y.T, preferred_element_type=accum)
+
+
+def _pull_back(
+    grad_logits: Array, raw: Array, x_block: Array, y: Array, scale: Array
+) -> tuple[Array, Array, Array]:
+    """A block's cotangents of ``x_block``, ``y`` and the scale, given the
+    cotangent of its logits ``scale * raw (+ bias)``."""
+    accum = grad_logits.dtype
+    dx_block = scale * jnp.dot(grad_logits, y, preferred_element_type=accum)
+    dy = scale * jnp.dot(grad_logits.T, x_block, preferred_element_type=accum)
+    return dx_block, dy, jnp.sum(grad_logits * raw)
+
+
+class _SoftmaxSaved(NamedTuple):
+    x: Array
+    y: Array
+    scale: Array
+    row_lse: Array  # (num_blocks, block_size): each row's log-sum-exp
+    col_lse: Array  # (B,): each column's log-sum-exp
+
+
+def _softmax_forward(
+    x: Array, y: Array, scale: Array, block_size: int
+) -> tuple[Array, _SoftmaxSaved]:
+    accum = accum_dtype(x, y, scale)
+    batch = x.shape[0]
+    scale_accum = scale.astype(accum)
+    blocks = _blocks(x, block_size)
+
+    @jax.named_scope("softmax_contrastive_block")
+    def body(carry, block):
+        col_max, col_sum, row_total = carry
+        x_block, valid = block
+        logits = scale_accum * _dot_rows(x_block, y, accum)
+        row_lse = jax.nn.logsumexp(logits, axis=1)
+        # The columns' log-sum-exp, online: a running max and a sum scaled to
+        # it (block 0 always holds row 0, so the max is finite after it).
+        masked = jnp.where(valid[:, None], logits, -jnp.inf)
+        new_max = jnp.maximum(col_max, jnp.max(masked, axis=0))
+        col_sum = col_sum * jnp.exp(col_max - new_max) + jnp.sum(
+            jnp.exp(masked - new_max), axis=0
+        )
+        row_total = row_total + jnp.sum(jnp.where(valid, row_lse, 0))
+        return (new_max, col_sum, row_total), row_lse
+
+    start = (
+        jnp.full(batch, -jnp.inf, accum),
+        jnp.zeros(batch, accum),
+        jnp.zeros((), accum),
+    )
+    (col_max, col_sum, row_total), row_lse = jax.lax.scan(
+        body, start, (blocks.x, blocks.valid)
+    )
+    col_lse = col_max + jnp.log(col_sum)
+    positives = scale_accum * jnp.sum(x.astype(accum) * y.astype(accum), dtype=accum)
+    loss = (row_total + jnp.sum(col_lse) - 2 * positives) / (2 * batch)
+    return loss, _SoftmaxSaved(x, y, scale, row_lse, col_lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def softmax_contrastive(x: Array, y: Array, scale: Array, block_size: int) -> Array:
+    """CLIP's symmetric InfoNCE, blockwise (jaxaccum.losses documents it)."""
+    return _softmax_forward(x, y, scale, block_size)[0]
+
+
+def _softmax_backward(
+    block_size: int, saved: _SoftmaxSaved, cotangent: Array
+) -> tuple[Array, Array, Array]:
+    x, y, scale, row_lse, col_lse = saved
+    accum, batch = row_lse.dtype, x.shape[0]
+    scale_accum = scale.astype(accum)
+    # d loss / d logits = (softmax over the row + softmax over the column
+    # - 2 on the diagonal) / 2B; the diagonal's part is added after the scan.
+    weight = cotangent.astype(accum) / (2 * batch)
+    blocks = _blocks(x, block_size)
+
+    @jax.named_scope("softmax_contrastive_block_vjp")
+    def body(carry, block):
+        dy, dscale = carry
+        x_block, valid, row_lse_block = block
+        raw = _dot_rows(x_block, y, accum)
+        logits = scale_accum * raw
+        probs = jnp.exp(logits - row_lse_block[:, None]) + jnp.exp(
+            logits - col_lse[None, :]
+        )
+        grad_logits = jnp.where(valid[:, None], weight * probs, 0)
+        dx_block, dy_block, dscale_block = _pull_back(
+            grad_logits, raw, x_block, y, scale_accum
+        )
+        return (dy + dy_block, dscale + dscale_block), dx_block
+
+    start = (jnp.zeros(y.shape, accum), jnp.zeros((), accum))
+    (dy, dscale), dx_blocks = jax.lax.scan(
+        body, start, (blocks.x, blocks.valid, row_lse)
+    )
+    x_accum, y_accum = x.astype(accum), y.astype(accum)
+    dx = _unblock(dx_blocks, batch) - 2 * weight * scale_accum * y_accum
+    dy = dy - 2 * weight * scale_accum * x_accum
+    dscale = dscale - 2 * weight * jnp.sum(x_accum * y_accum)
+    return dx.astype(x.dtype), dy.astype(y.dtype), dscale.astype(scale.dtype)
+
+
+def _softmax_fwd(x, y, scale, block_size):
+    return _softmax_forward(x, y, scale, block_size)
+
+
+softmax_contrastive.defvjp(_softmax_fwd, _softmax_backward)
+
+
+def _sigmoid_block(
+    x_block: Array, rows: Array, y: Array, scale: Array, bias: Array
+) -> tuple[Array, Array, Array]:
+    """A block's raw similarities, logits and labels (+1 on the diagonal)."""
+    raw = _dot_rows(x_block, y, scale.dtype)
+    labels = jnp.where(rows[:, None] == jnp.arange(y.shape[0])[None, :], 1, -1)
+    return raw, scale * raw + bias, labels.astype(raw.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def sigmoid_contrastive(
+    x: Array, y: Array, scale: Array, bias: Array, block_size: int
+) -> Array:
+    """SigLIP's pairwise sigmoid loss, blockwise (jaxaccum.losses documents it)."""
+    accum = accum_dtype(x, y, scale, bias)
+    scale_accum, bias_accum = scale.astype(accum), bias.astype(accum)
+    blocks = _blocks(x, block_size)
+
+    @jax.named_scope("sigmoid_contrastive_block")
+    def body(total, block):
+        x_block, valid, rows = block
+        _, logits, labels = _sigmoid_block(x_block, rows, y, scale_accum, bias_accum)
+        terms = -jax.nn.log_sigmoid(labels * logits)
+        return total + jnp.sum(jnp.where(valid[:, None], terms, 0)), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), accum), tuple(blocks))
+    return total / x.shape[0]
+
+
+def _sigmoid_fwd(x, y, scale, bias, block_size):
+    return sigmoid_contrastive(x, y, scale, bias, block_size), (x, y, scale, bias)
+
+
+def _sigmoid_backward(
+    block_size: int, saved: tuple[Array, Array, Array, Array], cotangent: Array
+) -> tuple[Array, Array, Array, Array]:
+    x, y, scale, bias = saved
+    accum, batch = accum_dtype(x, y, scale, bias), x.shape[0]
+    scale_accum, bias_accum = scale.astype(accum), bias.astype(accum)
+    weight = cotangent.astype(accum) / batch
+    blocks = _blocks(x, block_size)
+
+    @jax.named_scope("sigmoid_contrastive_block_vjp")
+    def body(carry, block):
+        dy, dscale, dbias = carry
+        x_block, valid, rows = block
+        raw, logits, labels = _sigmoid_block(x_block, rows, y, scale_accum, bias_accum)
+        # d/dl of -log_sigmoid(z l) is -z sigmoid(-z l).
+        grad_logits = -weight * labels * jax.nn.sigmoid(-labels * logits)
+        grad_logits = jnp.where(valid[:, None], grad_logits, 0)
+        dx_block, dy_block, dscale_block = _pull_back(
+            grad_logits, raw, x_block, y, scale_accum
+        )
+        carry = (dy + dy_block, dscale + dscale_block, dbias + jnp.sum(grad_logits))
+        return carry, dx_block
+
+    start = (jnp.zeros(y.shape, accum), jnp.zeros((), accum), jnp.zeros((), accum))
+    (dy, dscale, dbias), dx_blocks = jax.lax.scan(body, start, tuple(blocks))
+    return (
+        _unblock(dx_blocks, batch).astype(x.dtype),
+        dy.astype(y.dtype),
+        dscale.astype(scale.dtype),
+        dbias.astype(bias.dtype),
+    )
+
+
+sigmoid_contrastive.defvjp(_sigmoid_fwd, _sigmoid_backward)
