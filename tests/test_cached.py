@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cached_checks import CHECKS
+from check_scripts import run_script, selected_checks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import ATOL, RTOL
@@ -507,3 +509,16 @@ def test_bfloat16_outputs_meet_the_loss_and_its_cotangent_in_float32():
     assert results[jnp.float32][0].dtype == jnp.float32
     assert results[None][0].dtype == jnp.bfloat16
     assert value_errors[0] < value_errors[1] / 4, value_errors
+
+
+@pytest.fixture(scope="module")
+def sharded_results(request) -> dict:
+    checks = selected_checks(request)
+    return run_script("cached_checks.py", num_devices=8, timeout=600, checks=checks)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_data_sharded_batch_under_plain_jit(sharded_results, check):
+    """A batch sharded over 8 devices (Auto and Explicit meshes), plain jit:
+    the big batch's value and gradient (tests/cached_checks.py)."""
+    assert sharded_results[check]["ok"], sharded_results[check]["detail"]
