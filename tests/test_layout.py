@@ -19,6 +19,7 @@ import typing_extensions
 
 import jaxaccum
 from jaxaccum import _types
+from jaxaccum._cached import _library
 from jaxaccum._pipeline import _spec
 from jaxaccum._window import _shard_spec
 from jaxaccum._window import _spec as _window_spec
@@ -165,6 +166,7 @@ CORE = {
     "PipelinePlanRow",
     "WindowStats",
     "accumulate",
+    "cached_value_and_grad",
     "dynamic_loss_scale",
     "grad",
     "masked_sum",
@@ -349,6 +351,9 @@ def _front_end_calls(keywords: dict) -> dict:
             **keywords,
         ),
         "value_and_grad": lambda: jaxaccum.value_and_grad(_loss, 2, **keywords),
+        "cached_value_and_grad": lambda: jaxaccum.cached_value_and_grad(
+            lambda p, x: x @ p, lambda p, z: jnp.mean(z), 2, **keywords
+        ),
         "grad": lambda: jaxaccum.grad(_loss, 2, **keywords),
         "shard_value_and_grad": lambda: jaxaccum.shard_value_and_grad(
             _loss, 2, mesh=mesh, **keywords
@@ -404,6 +409,8 @@ _COMPARED_OUT = (*_shard_spec.SHARD_OPTIONS, "loss_scale")
 # plan_modes sets the modes itself, and plans unscaled.
 _MODES_SET = ("param_gather", "grad_reduce", "loss_scale")
 _PIPELINE_PLANNED = (*_spec.PIPELINE_REFUSED, "loss_scale")
+# cached_value_and_grad refuses what has no meaning for a whole-batch loss.
+_CACHED_REFUSED = tuple(_library.REFUSED)
 # The Flax front ends set the argument roles themselves.
 _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
 
@@ -417,6 +424,7 @@ _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
         ("equinox.filter_value_and_grad", (*_shard_spec.SHARD_OPTIONS, "argnums")),
         ("equinox.filter_grad", (*_shard_spec.SHARD_OPTIONS, "argnums")),
         ("pipeline_value_and_grad", _spec.PIPELINE_REFUSED),
+        ("cached_value_and_grad", _CACHED_REFUSED),
         # The front ends that forward their options: what they refuse (or set
         # themselves) is what their signature leaves out.
         ("plan", (*_COMPARED_OUT, "microbatch_size", "masked")),
