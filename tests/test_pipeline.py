@@ -1074,6 +1074,54 @@ def test_an_aux_prefix_of_mean_and_sum_as_in_the_core():
         build(has_aux=True, aux_reduction={"big": "stack"})
 
 
+SCHEDULE_CASES = {  # (schedule, repeats): each strategy class once
+    "gpipe": ("gpipe", 1),
+    "1f1b": ("1f1b", 1),
+    "interleaved": ("1f1b", 2),
+    "zero-bubble": ("zero-bubble", 1),
+}
+
+
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+def test_python_scalars_in_aux_are_reduced_as_the_core_reduces_them(case):
+    """Issue 62, case 4: an aux holding Python numbers failed on every
+    schedule ('int' object has no attribute 'dtype'). The core returns it:
+    its value and aux are the pipeline's, the gradient the sequential
+    model's (RTOL)."""
+    schedule, repeats = SCHEDULE_CASES[case]
+    params, batch = make_params(repeats), make_batch(4 * NUM)
+    reductions = {"count": "mean", "rate": "mean", "total": "sum"}
+
+    def with_aux(loss):
+        return lambda *args: (loss(*args), {"count": 3, "rate": 0.5, "total": 3})
+
+    step = pipeline_value_and_grad(
+        dense,
+        with_aux(mse),
+        NUM,
+        mesh=MESH,
+        embed_fn=embed,
+        repeats=repeats,
+        schedule=schedule,
+        has_aux=True,
+        aux_reduction=reductions,
+    )
+    (value, aux), grads = jax.jit(step)(params, batch)
+    core = jaxaccum.value_and_grad(
+        with_aux(functools.partial(sequential, dense, mse)),
+        num_microbatches=NUM,
+        has_aux=True,
+        aux_reduction=reductions,
+    )
+    (expected, expected_aux), expected_grads = jax.jit(core)(params, batch)
+    chex.assert_trees_all_equal(aux, expected_aux)
+    chex.assert_trees_all_equal_dtypes(aux, expected_aux)
+    assert int(aux["total"]) == 3 * NUM
+    chex.assert_trees_all_close(
+        (value, grads), (expected, expected_grads), rtol=RTOL, atol=RTOL
+    )
+
+
 # The planner (its choice against an exhaustive search on 8 devices is
 # pipeline_checks.py's plan_pipeline_stage4_data2).
 
