@@ -30,7 +30,15 @@ from check_scripts import run_script, selected_checks
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
-from pipeline_checks import CHECKS, RTOL, make_batch, make_params, sequential
+from pipeline_checks import (
+    CHECKS,
+    FEATURES,
+    RTOL,
+    make_batch,
+    make_params,
+    sequential,
+    tolerance,
+)
 from pipeline_checks import embed_fn as embed
 from pipeline_checks import loss_fn as mse
 from pipeline_checks import stage_fn as dense
@@ -1120,6 +1128,56 @@ def test_python_scalars_in_aux_are_reduced_as_the_core_reduces_them(case):
     chex.assert_trees_all_close(
         (value, grads), (expected, expected_grads), rtol=RTOL, atol=RTOL
     )
+
+
+def complex_params(repeats):
+    """The one-device model with complex weights: each a real matrix times a
+    unit phase, so that the stages stay as Lipschitz as the real ones and
+    the activation is complex from the embedding on."""
+    embed_params, stages, head = make_params(repeats)
+
+    def rotate(w, angle):
+        return w * jnp.exp(1j * angle).astype(jnp.complex64)
+
+    return (
+        {"w": rotate(embed_params["w"], 0.2)},
+        {**stages, "w": rotate(stages["w"], 0.1)},
+        {"w": rotate(head["w"], -0.1)},
+    )
+
+
+def squared_error(params, x, micro_batch):
+    return jnp.mean(jnp.abs(x @ params["w"] - micro_batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("remat", [False, jax.checkpoint_policies.dots_saveable])
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+def test_complex_parameters_as_the_sequential_model(case, remat):
+    """Issue 62, case 5: complex parameters failed inside JAX on every
+    schedule (reduce_precision does not accept dtype complex64: the stage's
+    checkpoint saved a complex value), with remat=False too. The core
+    differentiates them as jax.value_and_grad does; so does the pipeline.
+    Tolerance: pipeline_checks' float32 bound with twice the terms per
+    contraction (a complex product's parts each sum two real products)."""
+    schedule, repeats = SCHEDULE_CASES[case]
+    params, batch = complex_params(repeats), make_batch(4 * NUM)
+    step = pipeline_value_and_grad(
+        dense,
+        squared_error,
+        NUM,
+        mesh=MESH,
+        embed_fn=embed,
+        repeats=repeats,
+        schedule=schedule,
+        remat=remat,
+    )
+    value, grads = jax.jit(step)(params, batch)
+    expected = jax.value_and_grad(functools.partial(sequential, dense, squared_error))(
+        params, batch
+    )
+    rtol = tolerance(2.0**-24, features=2 * FEATURES)
+    chex.assert_trees_all_close((value, grads), expected, rtol=rtol, atol=rtol)
+    chex.assert_trees_all_equal_dtypes(grads, params)
 
 
 # The planner (its choice against an exhaustive search on 8 devices is
