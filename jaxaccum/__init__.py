@@ -43,6 +43,7 @@ from jaxaccum._shard import shard_batch as shard_batch
 from jaxaccum._shard import shard_value_and_grad as shard_value_and_grad
 from jaxaccum._split import pad_microbatches as pad_microbatches
 from jaxaccum._split import split_batch as split_batch
+from jaxaccum._types import ScheduleName as ScheduleName
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
 
@@ -67,6 +68,7 @@ __all__ = [
     "NoiseEstimates",
     "PipelinePlan",
     "PipelinePlanRow",
+    "ScheduleName",
     "WindowStats",
     "accumulate",
     "dynamic_loss_scale",

@@ -160,6 +160,7 @@ CORE = {
     "NoiseEstimates",
     "PipelinePlan",
     "PipelinePlanRow",
+    "ScheduleName",
     "WindowStats",
     "accumulate",
     "dynamic_loss_scale",

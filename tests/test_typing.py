@@ -62,6 +62,7 @@ WRONG = [
     "eqx_acc.filter_diagnose(loss, w, x, report_stat=True)",
     "testing.assert_grads_match_full_batch(loss, w, x, accum_dtype=3.5)",
     "testing.diagnose(loss, w, x, batch_argnums=1.0)",
+    'misspelt: acc.ScheduleName = "zb"',
 ]
 
 RIGHT = [
@@ -91,6 +92,11 @@ RIGHT = [
     "eqx_acc.filter_diagnose(loss, w, x, num_microbatches=2, masked=True)",
     "testing.assert_grads_match_full_batch(loss, w, x, accum_dtype='float32')",
     "testing.diagnose(loss, w, x, num_microbatches=2, argnums=0)",
+    # The pipeline guide's recipe: the plan's choice passed on (issue 62, case 6).
+    "plan = acc.plan_pipeline(loss, loss, params, x, memory_budget=budget)",
+    "acc.pipeline_value_and_grad(loss, loss, 4, schedule=plan.schedule)",
+    "acc.pipeline_value_and_grad(loss, loss, 4, schedule=plan.rows[0].schedule)",
+    'name: acc.ScheduleName = "zero-bubble"',
 ]
 
 

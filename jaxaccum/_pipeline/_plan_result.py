@@ -5,7 +5,7 @@ import dataclasses
 
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._plan import format_bytes
-from jaxaccum._types import Remat
+from jaxaccum._types import Remat, ScheduleName
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class PipelinePlanRow:
     """
 
     num_microbatches: int
-    schedule: str
+    schedule: ScheduleName
     remat: Remat
     batch_size: int
     bubble: float
@@ -64,7 +64,7 @@ class PipelinePlan:
     """
 
     num_microbatches: int
-    schedule: str
+    schedule: ScheduleName
     remat: Remat
     microbatch_rows: int
     batch_size: int
