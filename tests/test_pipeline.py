@@ -1227,12 +1227,21 @@ def test_plan_pipeline_refuses_what_it_chooses_and_says_when_nothing_fits():
 
 
 def test_plan_pipeline_candidates_below_the_stages_with_repeats():
+    """Issue 62, case 9: a candidate M < S with repeats > 1 was refused by
+    circular GPipe's rule even for schedule="1f1b", whose interleaved ticks
+    run it (interleaved_checks.py's stage4_data2_M3_R2). Refused now only
+    where no planned schedule runs it; GPipe skips it where 1F1B plans it."""
     from jaxaccum._pipeline._plan import _check_candidates
 
-    assert _check_candidates(None, 4, 1) == [4, 8, 16, 32, 64, 128]
-    assert _check_candidates([8, 4, 8], 4, 2) == [4, 8]
-    with pytest.raises(ValueError, match="repeats=2 needs"):
-        _check_candidates([2, 8], 4, 2)
+    gpipe, interleaved = [("gpipe", False)], [("1f1b", False), ("1f1b", True)]
+    assert _check_candidates(None, 4, 1, gpipe) == [4, 8, 16, 32, 64, 128]
+    assert _check_candidates([8, 4, 8], 4, 2, gpipe) == [4, 8]
+    assert _check_candidates([2, 8], 4, 2, interleaved) == [2, 8]
+    assert _check_candidates([1, 8], 4, 2, gpipe + interleaved) == [1, 8]
+    refusal = "candidate num_microbatches=2: schedule='gpipe' with repeats=2 needs"
+    with pytest.raises(ValueError, match=refusal) as info:
+        _check_candidates([2, 8], 4, 2, gpipe)
+    assert "schedule='1f1b' (interleaved 1F1B runs any M)" in str(info.value)
 
 
 def test_plan_pipeline_checks_remat_as_the_step_does():
