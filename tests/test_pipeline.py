@@ -13,6 +13,7 @@ one stage, and the errors bad input gets.
 
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import pathlib
@@ -1242,6 +1243,26 @@ def test_plan_pipeline_candidates_below_the_stages_with_repeats():
     with pytest.raises(ValueError, match=refusal) as info:
         _check_candidates([2, 8], 4, 2, gpipe)
     assert "schedule='1f1b' (interleaved 1F1B runs any M)" in str(info.value)
+
+
+def test_the_docstrings_say_which_schedules_take_repeats():
+    """Issue 62, case 10: the docstrings denied interleaved 1F1B ("1f1b" was
+    "repeats=1 only", M >= S whenever R > 1). A schedule's entry says
+    "repeats=1 only" exactly where its class is not built for R > 1; the
+    README's features name every schedule."""
+    doc = inspect.getdoc(pipeline_value_and_grad)
+    entry = doc.split("\n  schedule:")[1].split("\n  **options:")[0]
+    marks = [entry.index(f'``"{name}"``') for name in SCHEDULES]
+    assert marks == sorted(marks), entry
+    parts = [entry[a:b] for a, b in zip(marks, [*marks[1:], None], strict=True)]
+    for name, part in zip(SCHEDULES, parts, strict=True):
+        assert ("repeats=1`` only" in part) == (not builds(name, 2)), (name, part)
+    rule = doc.split("\n  num_microbatches:")[1].split("\n  mesh:")[0]
+    assert "circular GPipe" in rule, rule
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    features = " ".join(readme.split("\n\n")[2].split())
+    for schedule in ("GPipe", "1F1B", "interleaved 1F1B", "zero-bubble"):
+        assert schedule in features, (schedule, features)
 
 
 def test_plan_pipeline_checks_remat_as_the_step_does():
