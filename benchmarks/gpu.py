@@ -38,6 +38,7 @@ the deadline; what finished is written.
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -49,99 +50,19 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from common import RESULTS, spread  # noqa: E402
+from gpu_jobs import VARIANTS, Job, config, jobs  # noqa: E402
 from gpu_summary import summarize, table  # noqa: E402
 
-TAG = {"_xla_loop_unroll_strategy": "double-buffer"}
-VARIANTS = {
-    "default": ("", False),
-    "double_buffer_all": ("--xla_gpu_enable_while_loop_double_buffering=true", False),
-    "tag_inner": ("", True),
-    "tag_inner_manual": (
-        "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_MANUAL_UNROLL",
-        True,
-    ),
-    "command_buffer_while": (
-        "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
-        False,
-    ),
-    "full_unroll": (
-        "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL",
-        False,
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    kind: str  # a contender, or "fp8", "plan"
-    num: int = 1
-    scan_layers: bool = True
-    variant: str = "default"
-    batch: int | None = None  # None: the preset's
-    dump_hlo: bool = False
-
-    @property
-    def name(self) -> str:
-        layers = "scan" if self.scan_layers else "loop"
-        batch = "" if self.batch is None else f"-b{self.batch}"
-        return f"{self.kind}-N{self.num}-{layers}{batch}-{self.variant}"
-
-
-def _jobs(preset: str) -> list[Job]:
-    if preset == "smoke":
-        return [
-            Job("full", dump_hlo=True),
-            Job("jaxaccum", 4, dump_hlo=True),
-            Job("jaxaccum", 4, variant="tag_inner"),
-            Job("jaxaccum", 2, scan_layers=False),
-            Job("optax_microbatching", 4),
-            Job("unrolled", 2),
-            Job("optax_multisteps", 2),
-            Job("jaxaccum_multisteps", 2),
-            Job("fp8", 4),
-            Job("plan"),
-        ]
-    variants = ("tag_inner_manual", "double_buffer_all", "command_buffer_while")
-    variants += ("tag_inner", "full_unroll")
-    jobs = [Job("full", dump_hlo=True), Job("jaxaccum", 4)]
-    jobs += [Job("jaxaccum", 8, dump_hlo=True)]
-    jobs += [
-        Job(k, n, False) for k, n in (("full", 1), ("jaxaccum", 4), ("jaxaccum", 8))
-    ]
-    jobs += [
-        Job("jaxaccum", 8, variant=v, dump_hlo=v in variants[:3]) for v in variants
-    ]
-    jobs += [Job("fp8", 4), Job("plan"), Job("optax_microbatching", 4)]
-    jobs += [Job("full", variant=v) for v in variants]
-    jobs += [Job("jaxaccum", 4, variant=v) for v in variants]
-    jobs += [
-        Job("jaxaccum", 2),
-        Job("jaxaccum", 16),
-        Job("unrolled", 4),
-        Job("optax_multisteps", 8),
-        Job("jaxaccum_multisteps", 8),
-        Job("optax_microbatching", 4, scan_layers=False),
-        Job("jaxaccum", 2, batch=64),
-        Job("jaxaccum", 8, batch=64),
-    ]
-    return jobs
-
-
-def _config(preset: str, job: Job):
-    from gpu_model import Config
-
-    if preset == "smoke":
-        cfg = Config(vocab=256, d_model=64, heads=4, layers=2, seq=32, batch=8)
-    else:
-        cfg = Config(vocab=32768, d_model=768, heads=12, layers=12, seq=1024, batch=32)
-    batch = cfg.batch if job.batch is None else job.batch
-    return dataclasses.replace(cfg, scan_layers=job.scan_layers, batch=batch)
+# A job is started only with this many seconds of the deadline left.
+_LEAST_SECONDS = 20
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU")
-    parser.add_argument("--deadline", type=float, default=540.0, help="seconds")
+    parser.add_argument(
+        "--deadline", type=_seconds, default=540.0, help="seconds (default 540)"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=None, help="results file")
     parser.add_argument("--hlo-dir", type=pathlib.Path, default=None)
     parser.add_argument(
@@ -159,7 +80,7 @@ def main() -> None:
 
         spec = json.loads(args.worker)
         job = Job(**spec["job"])
-        result = run_job(job, _config(preset, job), preset, spec.get("hlo_dir"))
+        result = run_job(job, config(preset, job), preset, spec.get("hlo_dir"))
         print("RESULT " + json.dumps(result), flush=True)
         return
     default = pathlib.Path(tempfile.gettempdir()) / "jaxaccum-gpu-smoke.json"
@@ -168,31 +89,67 @@ def main() -> None:
         results = merge(args.merge, out)
         print(table(results["summary"]))
         return
-    results = drive(preset, args.deadline, out, args.hlo_dir)
+    try:
+        chosen = selected(preset, os.environ.get("GPU_JOBS"))
+    except ValueError as error:
+        parser.error(str(error))
+    results = drive(chosen, preset, args.deadline, out, args.hlo_dir)
     print(table(results["summary"]))
     failed = [r["job"] for r in results["jobs"] if "error" in r]
     print(f"{len(results['jobs'])} jobs, {len(failed)} failed: {failed}; wrote {out}")
+    if not results["jobs"]:
+        sys.exit(
+            f"gpu.py: error: no job ran: the deadline of {args.deadline:g} s left "
+            f"under {_LEAST_SECONDS} s for the first one; give a longer --deadline."
+        )
 
 
-def drive(preset: str, deadline: float, out: pathlib.Path, hlo_dir) -> dict:
+def _seconds(text: str) -> float:
+    """``--deadline``: a positive, finite number of seconds."""
+    seconds = float(text)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(
+            f"the deadline must be a positive number of seconds, got {text!r}"
+        )
+    return seconds
+
+
+def selected(preset: str, only: str | None) -> list[Job]:
+    """The preset's jobs whose names start with one of ``only``'s
+    comma-separated prefixes (``GPU_JOBS``); every job when it is unset or
+    empty. A prefix list that selects nothing is refused, naming the jobs."""
+    every = jobs(preset)
+    if not only:
+        return every
+    prefixes = only.split(",")
+    chosen = [job for job in every if job.name.startswith(tuple(prefixes))]
+    if not chosen:
+        names = ", ".join(job.name for job in every)
+        raise ValueError(
+            f"GPU_JOBS={only!r} selects none of the {preset} preset's jobs; "
+            f"give name prefixes (comma-separated) of: {names}."
+        )
+    return chosen
+
+
+def drive(
+    chosen: list[Job], preset: str, deadline: float, out: pathlib.Path, hlo_dir
+) -> dict:
     """Runs each job until the deadline and writes the results as it goes: on
     the full preset each in a fresh process (its own peak, its own flags), on
     the smoke preset in this process (CPU: no peak to read)."""
     start = time.monotonic()
     results = {"preset": preset, "jobs": [], "skipped": []}
-    only = os.environ.get("GPU_JOBS")
-    for job in _jobs(preset):
-        if only and not any(job.name.startswith(p) for p in only.split(",")):
-            continue
+    for job in chosen:
         left = deadline - (time.monotonic() - start)
-        if left < 20:
+        if left < _LEAST_SECONDS:
             results["skipped"].append(job.name)
             continue
         began = time.monotonic()
         if preset == "smoke":
             from gpu_worker import run_job
 
-            result = run_job(job, _config(preset, job), preset, hlo_dir)
+            result = run_job(job, config(preset, job), preset, hlo_dir)
         else:
             result = _in_own_process(job, hlo_dir, min(left, 150))
         flags = VARIANTS[job.variant][0]
@@ -260,12 +217,14 @@ def _line(result: dict) -> str:
     if "error" in result:
         return f"{result['job']:<48} ERROR {result['error'][-300:]}"
     if "temp_bytes" in result:
-        t, peak = result["step_ms"], result.get("peak_bytes") or 0
+        t, peak = result["step_ms"], result.get("peak_bytes")
+        # No memory_stats() (CPU): the peak is unknown, not zero.
+        peak_text = "unknown" if peak is None else f"{peak / 2**30:7.3f} GiB"
         return (
             f"{result['job']:<48} {t['median']:8.2f} ms"
             f" [{t['min']:.2f}, {t['max']:.2f}]"
             f" temp {result['temp_bytes'] / 2**30:7.3f} GiB"
-            f" peak {peak / 2**30:7.3f} GiB"
+            f" peak {peak_text}"
             f" compile {result.get('compile_seconds', 0):.1f} s"
         )
     return f"{result['job']:<48} " + json.dumps(result)[:300]

@@ -12,7 +12,7 @@ import gpu_model
 import jax
 import optax
 from common import spread
-from gpu import TAG, VARIANTS, Job
+from gpu_jobs import TAG, VARIANTS, Job
 from jax.experimental.xla_metadata import set_xla_metadata
 
 import jaxaccum

@@ -38,6 +38,7 @@ from jaxaccum._precision._loss_scale import select_if_finite as select_if_finite
 from jaxaccum._precision._loss_scale import update_loss_scale as update_loss_scale
 from jaxaccum._shard._shard import shard_batch as shard_batch
 from jaxaccum._shard._shard import shard_value_and_grad as shard_value_and_grad
+from jaxaccum._types import ScheduleName as ScheduleName
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
 from jaxaccum._window._batch_nodes import register_batch_node as register_batch_node
@@ -70,6 +71,7 @@ __all__ = [
     "NoiseEstimates",
     "PipelinePlan",
     "PipelinePlanRow",
+    "ScheduleName",
     "WindowStats",
     "accumulate",
     "cached_value_and_grad",

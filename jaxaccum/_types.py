@@ -33,8 +33,12 @@ AuxReduction = Literal["mean", "sum", "stack", "concat", "last"]
 # are reduced over them (shard_value_and_grad): once per window or per
 # micro-batch; "auto" picks per leaf (see shard_value_and_grad).
 ShardMode = Literal["auto", "window", "microbatch"]
-# The pipeline's schedules (docs/guides/pipeline.md).
 ScheduleName = Literal["gpipe", "1f1b", "zero-bubble"]
+"""A pipeline schedule's name: what :func:`jaxaccum.pipeline_value_and_grad`
+and :func:`jaxaccum.plan_pipeline` take as ``schedule=`` and what
+:class:`jaxaccum.PipelinePlan` chose (pass ``plan.schedule`` on). ``"1f1b"``
+with ``repeats > 1`` is interleaved 1F1B. Guide:
+[Pipeline parallelism](../guides/pipeline.md)."""
 ArgNums = int | Sequence[int]
 # ``True`` (or ``False``/``None``) or a ``jax.checkpoint`` policy.
 Remat = bool | Callable[..., bool] | None

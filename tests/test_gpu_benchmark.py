@@ -1,6 +1,7 @@
 """benchmarks/gpu.py's smoke preset: the accelerator benchmark runs end to end
 on CPU (its full preset runs on a GPU; benchmarks/results/gpu.json)."""
 
+import ast
 import json
 import os
 import pathlib
@@ -101,3 +102,73 @@ def test_the_summary_splits_a_window_into_the_models_time_and_its_own():
     assert row["model_floor_ms"] == 4 * 26.0 + 2.0  # the update: 100 - 98
     assert row["window_own_ms"] == 110.0 - 106.0
     assert row["floor_vs_full"] == 1.06
+
+
+def _gpu_py(*argv: str, jobs: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPU_JOBS": jobs} if jobs is not None else dict(os.environ)
+    if jobs is None:
+        env.pop("GPU_JOBS", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_a_run_that_would_run_no_job_is_an_error(tmp_path):
+    """Issue 62, case 11: a GPU_JOBS prefix matching nothing, or a deadline
+    of 0, nan or under a job's least time, ran no job and exited 0 ("0 jobs,
+    0 failed"); each is an error now, saying what to give, and runs nothing."""
+    out = tmp_path / "gpu.json"
+    done = _gpu_py("--out", str(out), jobs="jaxacum")
+    assert done.returncode == 2, done.stdout
+    assert "GPU_JOBS='jaxacum' selects none of the smoke preset's jobs" in done.stderr
+    assert "jaxaccum-N4-scan-default" in done.stderr  # the names it could take
+    for deadline in ("0", "-5", "nan", "inf"):
+        done = _gpu_py("--deadline", deadline, "--out", str(out))
+        assert done.returncode == 2, (deadline, done.stdout)
+        assert "the deadline must be a positive number of seconds" in done.stderr
+    done = _gpu_py("--deadline", "5", "--out", str(out))
+    assert done.returncode == 1, done.stdout
+    assert "no job ran" in done.stderr and "give a longer --deadline" in done.stderr
+
+
+def test_a_peak_the_device_does_not_report_is_printed_unknown():
+    """On CPU no memory_stats(): the per-job line said "peak 0.000 GiB"."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu
+
+    result = {
+        "job": "jaxaccum-N4-scan-default",
+        "step_ms": {"median": 2.0, "min": 1.5, "max": 3.0},
+        "temp_bytes": 2**29,
+        "peak_bytes": None,
+    }
+    assert "peak unknown" in gpu._line(result)
+    assert "peak   1.500 GiB" in gpu._line({**result, "peak_bytes": 3 * 2**29})
+
+
+def test_the_gpu_benchmark_modules_import_no_cycle():
+    """Issue 62: gpu.py and gpu_worker.py imported each other (the worker for
+    the job's class and variants). Every import between benchmarks/ modules,
+    those inside functions too, runs one way."""
+    modules = {path.stem: path for path in (ROOT / "benchmarks").glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+        graph[name] = imported & set(modules) - {name}
+    for name in graph:  # what each reaches, depth first: never itself
+        reached, stack = set(), list(graph[name])
+        while stack:
+            other = stack.pop()
+            if other not in reached:
+                reached.add(other)
+                stack += graph[other]
+        assert name not in reached, f"{name} imports itself through {reached}"

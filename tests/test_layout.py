@@ -164,6 +164,7 @@ CORE = {
     "NoiseEstimates",
     "PipelinePlan",
     "PipelinePlanRow",
+    "ScheduleName",
     "WindowStats",
     "accumulate",
     "cached_value_and_grad",

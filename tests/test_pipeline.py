@@ -13,6 +13,7 @@ one stage, and the errors bad input gets.
 
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import pathlib
@@ -30,7 +31,15 @@ from check_scripts import run_script, selected_checks
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
-from pipeline_checks import CHECKS, RTOL, make_batch, make_params, sequential
+from pipeline_checks import (
+    CHECKS,
+    FEATURES,
+    RTOL,
+    make_batch,
+    make_params,
+    sequential,
+    tolerance,
+)
 from pipeline_checks import embed_fn as embed
 from pipeline_checks import loss_fn as mse
 from pipeline_checks import stage_fn as dense
@@ -1074,6 +1083,104 @@ def test_an_aux_prefix_of_mean_and_sum_as_in_the_core():
         build(has_aux=True, aux_reduction={"big": "stack"})
 
 
+SCHEDULE_CASES = {  # (schedule, repeats): each strategy class once
+    "gpipe": ("gpipe", 1),
+    "1f1b": ("1f1b", 1),
+    "interleaved": ("1f1b", 2),
+    "zero-bubble": ("zero-bubble", 1),
+}
+
+
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+def test_python_scalars_in_aux_are_reduced_as_the_core_reduces_them(case):
+    """Issue 62, case 4: an aux holding Python numbers failed on every
+    schedule ('int' object has no attribute 'dtype'). The core returns it:
+    its value and aux are the pipeline's, the gradient the sequential
+    model's (RTOL)."""
+    schedule, repeats = SCHEDULE_CASES[case]
+    params, batch = make_params(repeats), make_batch(4 * NUM)
+    reductions = {"count": "mean", "rate": "mean", "total": "sum"}
+
+    def with_aux(loss):
+        return lambda *args: (loss(*args), {"count": 3, "rate": 0.5, "total": 3})
+
+    step = pipeline_value_and_grad(
+        dense,
+        with_aux(mse),
+        NUM,
+        mesh=MESH,
+        embed_fn=embed,
+        repeats=repeats,
+        schedule=schedule,
+        has_aux=True,
+        aux_reduction=reductions,
+    )
+    (value, aux), grads = jax.jit(step)(params, batch)
+    core = jaxaccum.value_and_grad(
+        with_aux(functools.partial(sequential, dense, mse)),
+        num_microbatches=NUM,
+        has_aux=True,
+        aux_reduction=reductions,
+    )
+    (expected, expected_aux), expected_grads = jax.jit(core)(params, batch)
+    chex.assert_trees_all_equal(aux, expected_aux)
+    chex.assert_trees_all_equal_dtypes(aux, expected_aux)
+    assert int(aux["total"]) == 3 * NUM
+    chex.assert_trees_all_close(
+        (value, grads), (expected, expected_grads), rtol=RTOL, atol=RTOL
+    )
+
+
+def complex_params(repeats):
+    """The one-device model with complex weights: each a real matrix times a
+    unit phase, so that the stages stay as Lipschitz as the real ones and
+    the activation is complex from the embedding on."""
+    embed_params, stages, head = make_params(repeats)
+
+    def rotate(w, angle):
+        return w * jnp.exp(1j * angle).astype(jnp.complex64)
+
+    return (
+        {"w": rotate(embed_params["w"], 0.2)},
+        {**stages, "w": rotate(stages["w"], 0.1)},
+        {"w": rotate(head["w"], -0.1)},
+    )
+
+
+def squared_error(params, x, micro_batch):
+    return jnp.mean(jnp.abs(x @ params["w"] - micro_batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("remat", [False, jax.checkpoint_policies.dots_saveable])
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+def test_complex_parameters_as_the_sequential_model(case, remat):
+    """Issue 62, case 5: complex parameters failed inside JAX on every
+    schedule (reduce_precision does not accept dtype complex64: the stage's
+    checkpoint saved a complex value), with remat=False too. The core
+    differentiates them as jax.value_and_grad does; so does the pipeline.
+    Tolerance: pipeline_checks' float32 bound with twice the terms per
+    contraction (a complex product's parts each sum two real products)."""
+    schedule, repeats = SCHEDULE_CASES[case]
+    params, batch = complex_params(repeats), make_batch(4 * NUM)
+    step = pipeline_value_and_grad(
+        dense,
+        squared_error,
+        NUM,
+        mesh=MESH,
+        embed_fn=embed,
+        repeats=repeats,
+        schedule=schedule,
+        remat=remat,
+    )
+    value, grads = jax.jit(step)(params, batch)
+    expected = jax.value_and_grad(functools.partial(sequential, dense, squared_error))(
+        params, batch
+    )
+    rtol = tolerance(2.0**-24, features=2 * FEATURES)
+    chex.assert_trees_all_close((value, grads), expected, rtol=rtol, atol=rtol)
+    chex.assert_trees_all_equal_dtypes(grads, params)
+
+
 # The planner (its choice against an exhaustive search on 8 devices is
 # pipeline_checks.py's plan_pipeline_stage4_data2).
 
@@ -1121,12 +1228,41 @@ def test_plan_pipeline_refuses_what_it_chooses_and_says_when_nothing_fits():
 
 
 def test_plan_pipeline_candidates_below_the_stages_with_repeats():
+    """Issue 62, case 9: a candidate M < S with repeats > 1 was refused by
+    circular GPipe's rule even for schedule="1f1b", whose interleaved ticks
+    run it (interleaved_checks.py's stage4_data2_M3_R2). Refused now only
+    where no planned schedule runs it; GPipe skips it where 1F1B plans it."""
     from jaxaccum._pipeline._plan import _check_candidates
 
-    assert _check_candidates(None, 4, 1) == [4, 8, 16, 32, 64, 128]
-    assert _check_candidates([8, 4, 8], 4, 2) == [4, 8]
-    with pytest.raises(ValueError, match="repeats=2 needs"):
-        _check_candidates([2, 8], 4, 2)
+    gpipe, interleaved = [("gpipe", False)], [("1f1b", False), ("1f1b", True)]
+    assert _check_candidates(None, 4, 1, gpipe) == [4, 8, 16, 32, 64, 128]
+    assert _check_candidates([8, 4, 8], 4, 2, gpipe) == [4, 8]
+    assert _check_candidates([2, 8], 4, 2, interleaved) == [2, 8]
+    assert _check_candidates([1, 8], 4, 2, gpipe + interleaved) == [1, 8]
+    refusal = "candidate num_microbatches=2: schedule='gpipe' with repeats=2 needs"
+    with pytest.raises(ValueError, match=refusal) as info:
+        _check_candidates([2, 8], 4, 2, gpipe)
+    assert "schedule='1f1b' (interleaved 1F1B runs any M)" in str(info.value)
+
+
+def test_the_docstrings_say_which_schedules_take_repeats():
+    """Issue 62, case 10: the docstrings denied interleaved 1F1B ("1f1b" was
+    "repeats=1 only", M >= S whenever R > 1). A schedule's entry says
+    "repeats=1 only" exactly where its class is not built for R > 1; the
+    README's features name every schedule."""
+    doc = inspect.getdoc(pipeline_value_and_grad)
+    entry = doc.split("\n  schedule:")[1].split("\n  **options:")[0]
+    marks = [entry.index(f'``"{name}"``') for name in SCHEDULES]
+    assert marks == sorted(marks), entry
+    parts = [entry[a:b] for a, b in zip(marks, [*marks[1:], None], strict=True)]
+    for name, part in zip(SCHEDULES, parts, strict=True):
+        assert ("repeats=1`` only" in part) == (not builds(name, 2)), (name, part)
+    rule = doc.split("\n  num_microbatches:")[1].split("\n  mesh:")[0]
+    assert "circular GPipe" in rule, rule
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    features = " ".join(readme.split("\n\n")[2].split())
+    for schedule in ("GPipe", "1F1B", "interleaved 1F1B", "zero-bubble"):
+        assert schedule in features, (schedule, features)
 
 
 def test_plan_pipeline_checks_remat_as_the_step_does():

@@ -67,6 +67,7 @@ WRONG = [
     "acc.cached_value_and_grad(loss, loss, 4, state_argnums=2)",
     "losses.softmax_contrastive(x, x, 10.0, blocksize=4)",
     'losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size="4")',
+    'misspelt: acc.ScheduleName = "zb"',
 ]
 
 RIGHT = [
@@ -101,6 +102,11 @@ RIGHT = [
     "acc.cached_value_and_grad(loss, loss, 2, has_aux=True, unroll=True)",
     "losses.softmax_contrastive(x, x, jnp.exp(jnp.log(10.0)), block_size=4)",
     "losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size=2)",
+    # The pipeline guide's recipe: the plan's choice passed on (issue 62, case 6).
+    "plan = acc.plan_pipeline(loss, loss, params, x, memory_budget=budget)",
+    "acc.pipeline_value_and_grad(loss, loss, 4, schedule=plan.schedule)",
+    "acc.pipeline_value_and_grad(loss, loss, 4, schedule=plan.rows[0].schedule)",
+    'name: acc.ScheduleName = "zero-bubble"',
 ]
 
 

@@ -42,17 +42,20 @@ class GPipe(Schedule):
 
     name: ClassVar[str] = "gpipe"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        num, stages = self.num_microbatches, self.num_stages
-        if self.repeats > 1 and num < stages:
+    @classmethod
+    def check_window(cls, num_stages: int, num_microbatches: int, repeats: int) -> None:
+        """Circular GPipe (``R > 1``) needs ``M >= S``."""
+        num, stages = num_microbatches, num_stages
+        if repeats > 1 and num < stages:
             raise ValueError(
-                f"repeats={self.repeats} needs num_microbatches >= the "
-                f"{stages} stages, got {num}: a micro-batch leaving the last "
+                f"schedule='gpipe' with repeats={repeats} needs "
+                f"num_microbatches >= the {stages} stages, got {num}: a "
+                "micro-batch leaving the last "
                 "stage re-enters the first stage M ticks after it first "
                 "entered, which must not be before the first stage has passed "
-                f"it on. Use M >= {stages}, or repeats=1 (any M; the bubble "
-                f"is then {stages - 1} of every {num + stages - 1} ticks)."
+                f"it on. Use M >= {stages}, schedule='1f1b' (interleaved 1F1B "
+                "runs any M), or repeats=1 (any M; the bubble is then "
+                f"{stages - 1} of every {num + stages - 1} ticks)."
             )
 
     @property

@@ -71,7 +71,8 @@ def plan_pipeline(
     least idle and recomputed work: ``M``, the schedule and ``remat``.
 
     The micro-batch is held fixed and the window grows: for each candidate
-    ``M`` (each schedule, GPipe then 1F1B, and ``remat`` False and True,
+    ``M`` (each schedule, GPipe, 1F1B (interleaved with ``repeats > 1``)
+    then zero-bubble, and ``remat`` False and True,
     unless ``schedule=`` or ``remat=`` is given) it compiles
     ``jax.jit(pipeline_value_and_grad(stage_fn, loss_fn, M, ...))``
     on a batch of ``M`` micro-batches like ``microbatch`` and reads its
@@ -80,8 +81,9 @@ def plan_pipeline(
     Memory grows with ``M``, so for each schedule and ``remat`` it compiles
     the largest candidate, then the smallest, then bisects for the largest
     that fits (only among the ``M`` that could beat the best found); of
-    those it returns the most efficient (:func:`efficiency`: the bubble
-    ``(S - 1) / (M R + S - 1)`` and, with ``remat``, the stage's forward
+    those it returns the most efficient (:func:`efficiency`: the schedule's
+    idle slots, GPipe's bubble ``(S - 1) / (M R + S - 1)``, and, with
+    ``remat``, the stage's forward
     FLOPs again, counted by ``cost_analysis()`` of one stage), GPipe on a
     tie. Why not a fixed batch, and what is counted:
     docs/guides/pipeline.md.
@@ -103,9 +105,11 @@ def plan_pipeline(
       data_axis: the mesh axis the batch is sharded over, or None, as there.
       repeats: stages per device, as there.
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"zero-bubble"`` to plan that
-        one only; None: every one (GPipe only with ``repeats > 1``, which
-        1F1B and zero-bubble do not take).
-      candidates: the ``M`` to consider (each >= S with ``repeats > 1``).
+        one only; None: every one built for ``repeats`` (with ``repeats >
+        1``, GPipe and interleaved 1F1B: zero-bubble takes ``repeats=1``
+        only).
+      candidates: the ``M`` to consider (with ``repeats > 1``, GPipe skips
+        those below ``S``, which interleaved 1F1B plans).
         Default: ``S, 2S, 4S, ..., 32S``.
       key: a PRNG key, if the functions take one.
       **options: the other options of
@@ -134,14 +138,27 @@ def plan_pipeline(
     configs = _configs(remats, schedule, repeats)
     device_mesh = resolve_mesh(mesh, base)
     num_stages = device_mesh.shape[stage_axis]
-    candidates = _check_candidates(candidates, num_stages, repeats)
+    candidates = _check_candidates(candidates, num_stages, repeats, configs)
     params, rows = unpack_params(params), _rows(microbatch)  # before any compile
     functions = (stage_fn, loss_fn, embed_fn)
-    first = dataclasses.replace(base, num_microbatches=candidates[0])
+    runs_first = next(
+        kind
+        for kind, _ in configs
+        if _refusal(kind, num_stages, candidates[0], repeats) is None
+    )
+    first = dataclasses.replace(
+        base,
+        num_microbatches=candidates[0],
+        layout=dataclasses.replace(layout, schedule=runs_first),
+    )
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
 
-    def efficiency_of(num: int, config: tuple) -> float:
+    def efficiency_of(num: int, config: tuple) -> float | None:
+        """The efficiency of ``M = num`` with ``config``; None if its
+        schedule does not run that window (circular GPipe below ``S``)."""
         kind, remat = config
+        if _refusal(kind, num_stages, num, repeats) is not None:
+            return None
         ticks = schedule_type(kind, repeats).for_window(num_stages, num, repeats, remat)
         return efficiency(ticks, remat, recompute)
 
@@ -220,7 +237,7 @@ def _configs(remats: tuple, schedule: str | None, repeats: int) -> list[tuple]:
 
 def _search(
     measure: Callable[[int, tuple], PipelinePlanRow],
-    efficiency_of: Callable[[int, tuple], float],
+    efficiency_of: Callable[[int, tuple], float | None],
     candidates: list[int],
     configs: list[tuple],
 ) -> tuple[PipelinePlanRow | None, tuple[PipelinePlanRow, ...]]:
@@ -228,14 +245,14 @@ def _search(
     row compiled, by ``(schedule, remat)`` then ``M``. Memory grows with
     ``M``, so per ``(schedule, remat)`` the largest fitting ``M`` is bisected
     for, in the order given; a later one is compiled only at the ``M`` whose
-    efficiency (known before compiling) could beat the best found."""
+    efficiency (known before compiling) could beat the best found; an ``M``
+    whose efficiency is None (not run by that schedule) is skipped."""
     rows: dict[tuple[int, int], PipelinePlanRow] = {}
     chosen: PipelinePlanRow | None = None
     for choice, config in enumerate(configs):
         floor = -1.0 if chosen is None else chosen.efficiency
-        better = [
-            i for i, m in enumerate(candidates) if efficiency_of(m, config) > floor
-        ]
+        efficiencies = [efficiency_of(m, config) for m in candidates]
+        better = [i for i, e in enumerate(efficiencies) if e is not None and e > floor]
 
         def fits(at: int, better: list = better, choice: int = choice) -> bool:
             index = better[at]
@@ -267,19 +284,34 @@ def _largest_fitting(count: int, fits: Callable[[int], bool]) -> int | None:
     return low
 
 
-def _check_candidates(candidates: Any, num_stages: int, repeats: int) -> list[int]:
-    """The candidate ``M``, sorted and deduplicated; default ``S 2**k``."""
+def _refusal(kind: str, num_stages: int, num: int, repeats: int) -> Exception | None:
+    """Why ``schedule=kind`` does not run a window of ``num`` micro-batches,
+    or None where it does."""
+    try:
+        schedule_type(kind, repeats).check_window(num_stages, num, repeats)
+    except ValueError as error:
+        return error
+    return None
+
+
+def _check_candidates(
+    candidates: Any, num_stages: int, repeats: int, configs: list[tuple]
+) -> list[int]:
+    """The candidate ``M``, sorted and deduplicated; default ``S 2**k``. A
+    candidate no planned schedule runs is refused with the first one's why
+    (circular GPipe needs ``M >= S``; interleaved 1F1B runs any ``M``)."""
     if candidates is None:
         return [num_stages * 2**k for k in range(6)]
     candidates = candidate_counts(candidates, "each candidate num_microbatches")
     if not candidates:
         raise ValueError("candidates is empty; give at least one M, or None.")
-    low = min(candidates)
-    if repeats > 1 and low < num_stages:
-        raise ValueError(
-            f"candidate num_microbatches={low} is below the {num_stages} stages, "
-            f"which repeats={repeats} needs (M >= S): drop it."
-        )
+    kinds = dict.fromkeys(kind for kind, _ in configs)
+    for num in sorted(set(candidates)):
+        refusals = [_refusal(kind, num_stages, num, repeats) for kind in kinds]
+        if all(refusals):
+            raise ValueError(
+                f"candidate num_microbatches={num}: {refusals[0]} Drop it."
+            )
     return sorted(set(candidates))
 
 

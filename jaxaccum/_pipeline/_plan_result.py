@@ -5,7 +5,7 @@ import dataclasses
 
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._plan._plan import format_bytes
-from jaxaccum._types import Remat
+from jaxaccum._types import Remat, ScheduleName
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +15,8 @@ class PipelinePlanRow:
 
     Attributes:
       num_microbatches: ``M``.
-      schedule: ``"gpipe"``, ``"1f1b"`` or ``"zero-bubble"``.
+      schedule: ``"gpipe"``, ``"1f1b"`` (interleaved with ``repeats > 1``)
+        or ``"zero-bubble"``.
       remat: the ``remat`` compiled (False, True or a checkpoint policy).
       batch_size: rows of the window's batch, ``M`` micro-batches.
       bubble: ``(S - 1) / (M R + S - 1)``, the share of ticks idle.
@@ -29,7 +30,7 @@ class PipelinePlanRow:
     """
 
     num_microbatches: int
-    schedule: str
+    schedule: ScheduleName
     remat: Remat
     batch_size: int
     bubble: float
@@ -47,8 +48,8 @@ class PipelinePlan:
     Attributes:
       num_microbatches: the chosen ``M``; pass it (and ``schedule`` and
         ``remat``) to :func:`jaxaccum.pipeline_value_and_grad`.
-      schedule: the chosen schedule, ``"gpipe"``, ``"1f1b"`` or
-        ``"zero-bubble"``.
+      schedule: the chosen schedule, ``"gpipe"``, ``"1f1b"`` (interleaved
+        with ``repeats > 1``) or ``"zero-bubble"``.
       remat: the chosen ``remat``.
       microbatch_rows: rows of one micro-batch over all data shards.
       batch_size: the window's batch at the chosen ``M``.
@@ -64,7 +65,7 @@ class PipelinePlan:
     """
 
     num_microbatches: int
-    schedule: str
+    schedule: ScheduleName
     remat: Remat
     microbatch_rows: int
     batch_size: int

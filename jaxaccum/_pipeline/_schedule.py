@@ -54,6 +54,7 @@ class Schedule(abc.ABC):
 
     def __post_init__(self) -> None:
         self.check_repeats(self.repeats)
+        self.check_window(self.num_stages, self.num_microbatches, self.repeats)
 
     @classmethod
     def for_window(
@@ -69,6 +70,13 @@ class Schedule(abc.ABC):
         """Refuses a ``repeats`` the schedule is not built for, saying why
         (every ``repeats`` is, unless a schedule says otherwise)."""
         del repeats
+
+    @classmethod
+    def check_window(cls, num_stages: int, num_microbatches: int, repeats: int) -> None:
+        """Refuses a window of ``M`` micro-batches the schedule cannot run on
+        ``S`` stages with ``repeats``, saying why (every ``M`` runs, unless a
+        schedule says otherwise)."""
+        del num_stages, num_microbatches, repeats
 
     @property
     @abc.abstractmethod

@@ -130,17 +130,20 @@ def pipeline_value_and_grad(
         of ``stage_params``; keeps ``x``'s structure, shapes and dtypes.
       loss_fn: ``loss_fn(head_params, x, micro_batch) -> loss``, the mean loss
         of the micro-batch (see ``reduction``); ``(loss, aux)`` with ``has_aux``.
-      num_microbatches: ``M``; ``M D`` divides the batch; ``M >= S`` if ``R > 1``.
+      num_microbatches: ``M``; ``M D`` divides the batch; circular GPipe
+        (``"gpipe"`` with ``R > 1``) needs ``M >= S``, the others take any ``M``.
       mesh: a mesh with ``stage_axis`` (and ``data_axis``); default: ``jax.set_mesh``.
       embed_fn: ``embed_fn(embed_params, micro_batch) -> x``; None: the batch.
       stage_axis: the mesh axis of size ``S`` the stages are placed on.
       data_axis: a mesh axis the batch is sharded over, or None.
-      repeats: ``R``, stages per device (circular schedule).
-      schedule: ``"gpipe"`` (activation memory linear in ``M``), ``"1f1b"``
-        (flat in ``M``; ``repeats=1`` only) or ``"zero-bubble"`` (1F1B's
-        ticks with the backward split into its input and weight parts, the
-        weight part deferred into idle slots: a shorter window for a ring
-        of stored cotangents; ``repeats=1`` only).
+      repeats: ``R``, stages per device (circular GPipe, interleaved 1F1B).
+      schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"`` (activation
+        memory linear in ``M``), ``"1f1b"`` (flat in ``M``; with ``R > 1``
+        interleaved 1F1B, each device's ``R`` stages in Megatron's order, the
+        fill and drain ``1/R`` of 1F1B's) or ``"zero-bubble"`` (1F1B's ticks
+        with the backward split into its input and weight parts, the weight
+        part deferred into idle slots: a shorter window for a ring of stored
+        cotangents; ``repeats=1`` only).
       **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:

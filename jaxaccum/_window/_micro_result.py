@@ -65,7 +65,10 @@ def weighted_pair(loss: PyTree, fun: str) -> tuple[Any, Any]:
 
 def aux_pair(out: PyTree, fun: str) -> tuple[Any, Any]:
     """``(loss, aux)``, as a function (named ``fun`` in messages) built with
-    ``has_aux=True`` must return it: a pair."""
+    ``has_aux=True`` must return it: a pair. The aux's leaves come back as
+    arrays, as ``jax.value_and_grad(..., has_aux=True)`` returns them (a
+    Python number a weakly typed scalar), so every front end reduces the
+    same aux."""
     if not (isinstance(out, tuple | list) and len(out) == 2):
         shape = f" of shape {jnp.shape(out)}" if hasattr(out, "shape") else ""
         raise TypeError(
@@ -73,7 +76,7 @@ def aux_pair(out: PyTree, fun: str) -> tuple[Any, Any]:
             f"{type(out).__name__}{shape}. Return (loss, {{}}) for no aux, or "
             "build without has_aux."
         )
-    return out[0], out[1]
+    return out[0], jax.tree.map(jnp.asarray, out[1])
 
 
 def microbatch_share(
