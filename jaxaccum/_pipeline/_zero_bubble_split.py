@@ -9,7 +9,10 @@ cotangent, the boundary: the values it computed (and the cotangents it was
 handed) that W's equations read; W runs the equations only the parameters'
 cotangent needs, from the boundary and the saved residuals. Calls inside
 the backward (``jit``, ``jax.checkpoint``) are inlined first, so a
-rematerialised stage splits too (each half recomputing what it needs)."""
+rematerialised stage splits too (each half recomputing what it needs); every
+other equation (a ``custom_jvp_call`` such as ``jax.nn.softplus`` in a
+recomputed forward, a ``custom_vjp_call``, a loop) is re-bound whole, as
+``jax.core.eval_jaxpr`` binds it."""
 
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
