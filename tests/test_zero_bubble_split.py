@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import AbstractMesh
@@ -182,6 +182,8 @@ def test_split_of_a_custom_jvp_activation_is_the_pullback(name, remat):
     ),
     remat=st.sampled_from(list(REMATS)),
 )
+@example(layers=[("custom_vjp", "checkpoint"), ("softplus", "jit")], remat="True")
+@example(layers=[("mish", "bare"), ("matmul", "jit")], remat="dots_saveable")
 def test_split_of_drawn_stage_bodies_is_the_pullback(layers, remat):
     """Stage bodies drawn from custom_jvp functions, a user's custom_vjp
     function and plain primitives, each bare or in the user's own jit or
