@@ -104,9 +104,11 @@ def efficiency(schedule: Schedule, remat: Remat, recompute: float) -> float:
 
 
 def _name(remat: Remat) -> str:
-    return (
-        repr(remat) if isinstance(remat, bool) else getattr(remat, "__name__", "policy")
-    )
+    """``remat``'s label: False, None (both no remat), True, or the policy's
+    name."""
+    if remat is None or isinstance(remat, bool):
+        return repr(remat)
+    return getattr(remat, "__name__", "policy")
 
 
 def nothing_fits(ordered: tuple[PipelinePlanRow, ...], budget: int) -> ValueError:

@@ -221,9 +221,9 @@ class ZeroBubble(OneFOneB):
     def for_window(
         cls, num_stages: int, num_microbatches: int, repeats: int, remat: Any
     ) -> "ZeroBubble":
-        """The schedule of a window with ``remat`` (any but False
-        recomputes)."""
-        return cls(num_stages, num_microbatches, repeats, remat is not False)
+        """The schedule of a window with ``remat``: True or a checkpoint
+        policy recomputes; False and None (no remat, as everywhere) do not."""
+        return cls(num_stages, num_microbatches, repeats, bool(remat))
 
     @classmethod
     def check_repeats(cls, repeats: int) -> None:

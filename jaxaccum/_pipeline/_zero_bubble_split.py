@@ -9,7 +9,10 @@ cotangent, the boundary: the values it computed (and the cotangents it was
 handed) that W's equations read; W runs the equations only the parameters'
 cotangent needs, from the boundary and the saved residuals. Calls inside
 the backward (``jit``, ``jax.checkpoint``) are inlined first, so a
-rematerialised stage splits too (each half recomputing what it needs)."""
+rematerialised stage splits too (each half recomputing what it needs); every
+other equation (a ``custom_jvp_call`` such as ``jax.nn.softplus`` in a
+recomputed forward, a ``custom_vjp_call``, a loop) is re-bound whole, as
+``jax.core.eval_jaxpr`` binds it."""
 
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -79,13 +82,23 @@ def _flatten(jaxpr: Jaxpr, inputs: Sequence, scope: tuple, out: list, consts: di
                     names[v] = result
             continue
         outs = tuple(None if isinstance(v, DropVar) else key(v) for v in eqn.outvars)
-        bind = _binder(eqn.primitive, dict(eqn.params))
+        bind = _binder(eqn)
         out.append(_Eqn(bind, eqn.primitive.multiple_results, tuple(args), outs))
     return [key(v) for v in jaxpr.outvars]
 
 
-def _binder(primitive: Any, params: dict) -> Callable[..., Any]:
-    return lambda *args: primitive.bind(*args, **params)
+def _binder(eqn: Any) -> Callable[..., Any]:
+    """``eqn``'s primitive bound as ``jax.core.eval_jaxpr`` binds it: with
+    the parameters its ``get_bind_params`` gives (a ``custom_jvp_call`` or
+    ``custom_vjp_call`` takes its functions as ``subfuns``, not its stored
+    jaxprs and thunks) under the equation's context."""
+    primitive, params, context = eqn.primitive, eqn.params, eqn.ctx
+
+    def bind(*args: Any) -> Any:
+        with context.manager:
+            return primitive.bind(*args, **primitive.get_bind_params(params))
+
+    return bind
 
 
 def _needed(eqns: Sequence[_Eqn], wanted: Sequence) -> set[int]:
