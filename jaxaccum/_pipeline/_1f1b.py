@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxaccum._micro_result import share_dtype
 from jaxaccum._pipeline._1f1b_tick import (
     Carry,
     Message,
@@ -44,7 +45,7 @@ from jaxaccum._pipeline._device import (
     make_device,
     varying,
 )
-from jaxaccum._pipeline._run import Raw, Run, share_dtype
+from jaxaccum._pipeline._run import Raw, Run
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._pipeline._stats import probed as probed_options

@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxaccum._loss_scale import scale_loss
+from jaxaccum._micro_result import share_dtype
 from jaxaccum._noise_scale import unscaled_squared_norm
 from jaxaccum._pipeline._calls import LossOut
 from jaxaccum._pipeline._device import (
@@ -26,7 +27,7 @@ from jaxaccum._pipeline._device import (
     select,
     varying,
 )
-from jaxaccum._pipeline._run import Raw, Run, share_dtype
+from jaxaccum._pipeline._run import Raw, Run
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._stats import make_probes, probed, unshared
 from jaxaccum._types import Batch, Fun, PyTree
