@@ -91,6 +91,7 @@ def diagnose(
         "diagnose",
         num_microbatches,
         value_and_grad_kwargs,
+        CompareKwargs,
         refused=COMPARE_REFUSED,
     )
     accumulated, reference = _compare.accumulated_and_reference(fun, args, options)

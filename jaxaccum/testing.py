@@ -89,6 +89,7 @@ def assert_grads_match_full_batch(
         "assert_grads_match_full_batch",
         num_microbatches,
         value_and_grad_kwargs,
+        CompareKwargs,
         refused=COMPARE_REFUSED,
     )
     accumulated, reference = accumulated_and_reference(fun, args, options)
