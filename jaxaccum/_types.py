@@ -9,6 +9,7 @@ checker flags a misspelt or ill-typed one. The run-time checks stay in
 same option named in the error).
 """
 
+import functools
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -63,7 +64,7 @@ class _Window(TypedDict, total=False):
 
 
 class _Size(TypedDict, total=False):
-    microbatch_size: int
+    microbatch_size: int | None
 
 
 class _HasAux(TypedDict, total=False):
@@ -102,6 +103,16 @@ class _State(TypedDict, total=False):
 class _ShardModes(TypedDict, total=False):
     param_gather: ShardMode
     grad_reduce: ShardMode
+
+
+# A pipeline gathers FSDP parameters once per window and reduces their
+# gradients once: "microbatch" does not apply (see pipeline_value_and_grad).
+PipelineShardMode = Literal["auto", "window"]
+
+
+class _PipelineShardModes(TypedDict, total=False):
+    param_gather: PipelineShardMode
+    grad_reduce: PipelineShardMode
 
 
 class _GatherDtype(TypedDict, total=False):
@@ -143,16 +154,23 @@ class PlanKwargs(_Window, _HasAux, _Pad, _Finite, _Argnums, _BatchRoles, _State)
     unmasked, unscaled windows."""
 
 
-class _ShardCommon(_Window, _Size, _HasAux, _Pad, _Argnums, _BatchRoles):
-    """What :func:`jaxaccum.shard_value_and_grad` shares with its planner."""
-
-
-class ShardKwargs(_ShardCommon, _LossScale, _ShardModes, _GatherDtype):
+class ShardKwargs(
+    _Window,
+    _Size,
+    _HasAux,
+    _Pad,
+    _Argnums,
+    _BatchRoles,
+    _LossScale,
+    _ShardModes,
+    _GatherDtype,
+):
     """The options of :func:`jaxaccum.shard_value_and_grad`."""
 
 
-class ModePlanKwargs(_ShardCommon, _GatherDtype):
-    """The options of :func:`jaxaccum.plan_modes`, which sets the modes."""
+class ModePlanKwargs(_Window, _HasAux, _Pad, _Argnums, _BatchRoles, _GatherDtype):
+    """The options of :func:`jaxaccum.plan_modes`, which sets the modes (and
+    takes ``num_microbatches``, not ``microbatch_size``)."""
 
 
 class CachedKwargs(_Size, _HasAux, _Argnums, _BatchRoles, total=False):
@@ -164,10 +182,17 @@ class CachedKwargs(_Size, _HasAux, _Argnums, _BatchRoles, total=False):
     unroll: int | bool
 
 
-class PipelinePlanKwargs(_Window, _HasAux, _Finite, _ShardModes):
+class PipelinePlanKwargs(_Window, _HasAux, _Finite, _PipelineShardModes):
     """The options of :func:`jaxaccum.plan_pipeline`: it chooses ``M`` and
     plans unscaled windows."""
 
 
 class PipelineKwargs(PipelinePlanKwargs, _Size, _LossScale):
     """The options of :func:`jaxaccum.pipeline_value_and_grad`."""
+
+
+@functools.cache
+def declared_keywords(keywords: type) -> frozenset[str]:
+    """The keys a keyword bag (one of the ``TypedDict`` s above) declares:
+    the options its front end takes, at run time as in its signature."""
+    return frozenset(typing.get_type_hints(keywords))

@@ -93,7 +93,11 @@ def value_and_grad(
     return make_accumulated(
         fun,
         WindowSpec.create(
-            "value_and_grad", num_microbatches, options, refused=SHARD_OPTIONS
+            "value_and_grad",
+            num_microbatches,
+            options,
+            AccumKwargs,
+            refused=SHARD_OPTIONS,
         ),
     )
 
@@ -130,7 +134,7 @@ def grad(
       Array([1., 1.], dtype=float32)
     """
     accum_options = WindowSpec.create(
-        "grad", num_microbatches, options, refused=SHARD_OPTIONS
+        "grad", num_microbatches, options, AccumKwargs, refused=SHARD_OPTIONS
     )
     return grads_only(make_accumulated(fun, accum_options), accum_options)
 

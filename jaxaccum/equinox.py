@@ -148,7 +148,12 @@ def _options(
 ) -> WindowSpec:
     """The options of an Equinox front end: it differentiates the model."""
     return WindowSpec.create(
-        where, num_microbatches, options, fixed={"argnums": 0}, refused=SHARD_OPTIONS
+        where,
+        num_microbatches,
+        options,
+        FilterKwargs,
+        fixed={"argnums": 0},
+        refused=SHARD_OPTIONS,
     )
 
 
@@ -226,6 +231,7 @@ def filter_assert_grads_match_full_batch(
     WindowSpec.check_keywords(
         "filter_assert_grads_match_full_batch",
         value_and_grad_kwargs,
+        FilterCompareKwargs,
         fixed=("argnums",),
         refused=COMPARE_REFUSED,
     )
@@ -284,6 +290,7 @@ def filter_diagnose(
     WindowSpec.check_keywords(
         "filter_diagnose",
         value_and_grad_kwargs,
+        FilterCompareKwargs,
         fixed=("argnums",),
         refused=COMPARE_REFUSED,
     )

@@ -58,8 +58,10 @@ def assert_grads_match_full_batch(
     same with one micro-batch (exactly ``jax.value_and_grad`` on the whole
     batch), both under ``jax.jit``, and compares values and gradients with
     ``chex.assert_trees_all_close``. Works for every reduction (``"weighted"``
-    included) and with ``pad``, ``key_argnums`` and ``state_argnums``; aux
-    outputs and new state are not compared. FP8 metadata (Flax's
+    included) and with ``pad``, ``key_argnums`` and ``state_argnums``; with
+    ``masked=True`` the window runs with every micro-batch active
+    (``active_microbatches=N``); aux outputs, new state and reports are not
+    compared. FP8 metadata (Flax's
     ``_overwrite_with_gradient`` collection) is compared as values: the
     window's is the max of its micro-batches', which is the full batch's.
 
@@ -93,6 +95,7 @@ def assert_grads_match_full_batch(
         "assert_grads_match_full_batch",
         num_microbatches,
         value_and_grad_kwargs,
+        CompareKwargs,
         refused=COMPARE_REFUSED,
     )
     accumulated, reference = accumulated_and_reference(fun, args, options)

@@ -307,7 +307,9 @@ def test_options_are_one_frozen_object_whose_allowed_values_are_derived():
     with pytest.raises(ValueError, match="reduction must be one of"):
         _window_spec.WindowSpec(4, reduction="median")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="grad_reduce must be one of"):
-        _window_spec.WindowSpec.create("f", 4, {"grad_reduce": "never"})
+        _window_spec.WindowSpec.create(
+            "f", 4, {"grad_reduce": "never"}, _types.ShardKwargs
+        )
 
 
 def _loss(w, x):
@@ -429,7 +431,16 @@ _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
         # The front ends that forward their options: what they refuse (or set
         # themselves) is what their signature leaves out.
         ("plan", (*_COMPARED_OUT, "microbatch_size", "masked")),
-        ("plan_modes", ("state_argnums", "report_finite", "masked", *_MODES_SET)),
+        (
+            "plan_modes",
+            (
+                "state_argnums",
+                "report_finite",
+                "masked",
+                "microbatch_size",
+                *_MODES_SET,
+            ),
+        ),
         ("plan_pipeline", (*_PIPELINE_PLANNED, "microbatch_size")),
         ("testing.assert_grads_match_full_batch", _COMPARED_OUT),
         ("testing.diagnose", _COMPARED_OUT),

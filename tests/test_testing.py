@@ -104,3 +104,75 @@ def test_window_bytes_counts_each_loop_by_its_trip_count():
     with pytest.raises(ValueError, match="pass num_microbatches="):
         jaxaccum.testing.window_bytes(unknown)
     assert jaxaccum.testing.window_bytes(unknown, 4) == 4 * 16 + 15 * 8 + 32
+
+
+def _tanh_loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w))
+
+
+def _tanh_sum(w, x):
+    return jnp.sum(jnp.tanh(x @ w))  # a sum, wrong under reduction="mean"
+
+
+def _checks():
+    """Each checker as ``check(loss, w, x, **keywords) -> matches``."""
+    import equinox  # noqa: F401  (the Equinox checks need it)
+    from flax import nnx
+
+    import jaxaccum.equinox
+    import jaxaccum.flax
+
+    def asserted(check):
+        def run(loss, w, x, **keywords):
+            try:
+                check(loss, w, x, **keywords)
+            except AssertionError:
+                return False
+            return True
+
+        return run
+
+    def linen(loss, w, x, **keywords):
+        def on_variables(variables, x):
+            return loss(variables["params"]["w"], x)
+
+        return jaxaccum.flax.linen_diagnose(
+            on_variables, {"params": {"w": w}}, x, **keywords
+        ).matches
+
+    class Model(nnx.Module):
+        def __init__(self, w):
+            self.w = nnx.Param(w)
+
+    def flax_nnx(loss, w, x, **keywords):
+        return jaxaccum.flax.nnx_diagnose(
+            lambda model, x: loss(model.w[...], x), Model(w), x, **keywords
+        ).matches
+
+    return {
+        "assert_grads_match_full_batch": asserted(assert_grads_match_full_batch),
+        "diagnose": lambda *a, **k: jaxaccum.testing.diagnose(*a, **k).matches,
+        "filter_assert_grads_match_full_batch": asserted(
+            jaxaccum.equinox.filter_assert_grads_match_full_batch
+        ),
+        "filter_diagnose": lambda *a, **k: (
+            jaxaccum.equinox.filter_diagnose(*a, **k).matches
+        ),
+        "linen_diagnose": linen,
+        "nnx_diagnose": flax_nnx,
+    }
+
+
+@pytest.mark.parametrize("option", ["masked", "report_stats"])
+@pytest.mark.parametrize("checker", sorted(_checks()))
+def test_checkers_take_masked_and_report_options(checker, option):
+    """``masked=True`` compares a masked window with every micro-batch active
+    (``active_microbatches=N``) with the big batch, and ``report_stats``
+    leaves the comparison as it is: a right loss matches, a wrong one does
+    not (a sum under ``reduction="mean"``: N times the gradient)."""
+    check = _checks()[checker]
+    w = jnp.linspace(-1.0, 1.0, 3)
+    x = jax.random.normal(jax.random.key(0), (8, 3))
+    keywords = {"num_microbatches": 4, option: True, "rtol": RTOL, "atol": ATOL}
+    assert check(_tanh_loss, w, x, **keywords), f"{checker}({option}=True)"
+    assert not check(_tanh_sum, w, x, **keywords), f"{checker}({option}=True)"

@@ -51,6 +51,13 @@ WRONG = [
     "acc.plan(loss, w, x, memory_budget=budget, masked=True)",
     "acc.plan_modes(loss, w, x, num_microbatches=2, memory_budget=1, pad=1.5)",
     'acc.plan_pipeline(loss, loss, params, x, memory_budget=budget, remat="no")',
+    # Options that type-checked but always failed at run time (issue 62).
+    'acc.pipeline_value_and_grad(loss, loss, 4, param_gather="microbatch")',
+    'acc.pipeline_value_and_grad(loss, loss, 4, grad_reduce="microbatch")',
+    "acc.plan_pipeline(loss, loss, params, x, memory_budget=1, "
+    "grad_reduce='microbatch')",
+    "acc.plan_modes(loss, w, x, num_microbatches=2, memory_budget=1, "
+    "microbatch_size=2)",
     'flax_acc.linen_value_and_grad(loss, 2, reduction="avg")',
     "flax_acc.linen_train_step(loss, 2, argnums=1)",
     "flax_acc.nnx_value_and_grad(loss, 2, key_argnums=1)",
@@ -77,6 +84,9 @@ RIGHT = [
     "acc.value_and_grad(loss, 4, has_aux=True, aux_reduction={'a': 'stack'})",
     "acc.value_and_grad(loss, 4, pad=True, reduction='weighted', masked=True)",
     "acc.grad(loss, 4, accum_dtype=None, loss_scale=True, unroll=2)",
+    "acc.value_and_grad(loss, 4, microbatch_size=None)",  # the default
+    "acc.pipeline_value_and_grad(loss, loss, 4, param_gather='window')",
+    "acc.plan_pipeline(loss, loss, params, x, memory_budget=1, grad_reduce='auto')",
     "acc.shard_value_and_grad(loss, 4, mesh=mesh, grad_reduce='window')",
     "acc.shard_value_and_grad(loss, 4, data_axis=('data',), gather_dtype=None)",
     "acc.pipeline_value_and_grad(loss, loss, 4, mesh=mesh, schedule='1f1b')",
@@ -171,3 +181,149 @@ def test_mypy_flags_every_misspelt_or_mistyped_keyword(mypy_run):
 def test_mypy_flags_nothing_on_right_calls(mypy_run):
     errors, output = mypy_run
     assert not errors["right"], f"{len(errors['right'])} error(s):\n{output}"
+
+
+# One source for each entry point's keywords: the keyword bag its signature
+# ``Unpack`` s is what it accepts at run time, no more and no less.
+
+_MODULES = ("jaxaccum", "jaxaccum.flax", "jaxaccum.equinox", "jaxaccum.testing")
+
+
+def _entry_points() -> dict[str, tuple]:
+    """Every public function typed ``**options: Unpack[SomeKwargs]``, by
+    qualified name: the function and its keyword bag."""
+    import importlib
+    import inspect
+
+    import typing_extensions
+
+    found = {}
+    for module_name in _MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            function = getattr(module, name)
+            if not inspect.isfunction(function):
+                continue
+            for parameter in inspect.signature(function).parameters.values():
+                annotation = parameter.annotation
+                if typing_extensions.get_origin(annotation) is typing_extensions.Unpack:
+                    (bag,) = typing_extensions.get_args(annotation)
+                    found[f"{module_name}.{name}"] = (function, bag)
+    return found
+
+
+def _loss(w, x):
+    import jax.numpy as jnp
+
+    return jnp.mean((x @ w) ** 2)
+
+
+def _call(name: str, function, **keywords):
+    """Calls the entry point ``name`` on a tiny problem with ``keywords``,
+    far enough that its keywords are checked (a builder is built)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    w, x = jnp.ones(3), jnp.ones((4, 3))
+    short = name.rsplit(".", 1)[1]
+    if short in ("linen_diagnose", "nnx_diagnose"):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0)) if short == "nnx_diagnose" else {}
+        return function(_loss, model, x, num_microbatches=2, **keywords)
+    if short.startswith(("filter_assert", "filter_diagnose", "assert_", "diagnose")):
+        return function(_loss, w, x, num_microbatches=2, **keywords)
+    if short == "plan":
+        return function(_loss, w, x, memory_budget="1GiB", **keywords)
+    if short == "plan_modes":
+        return function(_loss, w, x, num_microbatches=2, memory_budget=1, **keywords)
+    if short == "plan_pipeline":
+        return function(_loss, _loss, w, x, memory_budget=1, **keywords)
+    if short in ("pipeline_value_and_grad", "cached_value_and_grad"):
+        return function(_loss, _loss, 2, **keywords)
+    if short == "shard_value_and_grad":
+        return function(_loss, 2, mesh=jax.make_mesh((1,), ("data",)), **keywords)
+    return function(_loss, 2, **keywords)  # the builders
+
+
+def test_every_keyword_entry_point_is_found():
+    assert len(_entry_points()) == 19, sorted(_entry_points())
+
+
+@pytest.mark.parametrize("name", sorted(_entry_points()))
+def test_run_time_accepts_exactly_the_declared_keywords(name):
+    """An undeclared keyword is refused, and the refusal lists as the entry
+    point's options exactly the keys of the bag its signature declares."""
+    import typing
+
+    function, bag = _entry_points()[name]
+    with pytest.raises(TypeError, match="unknown keyword argument") as refusal:
+        _call(name, function, undeclared_option=1)
+    listed = str(refusal.value).split("its options are: ", 1)[1].rstrip(".")
+    assert set(listed.split(", ")) == set(typing.get_type_hints(bag)), name
+
+
+def _valid_values(key: str, hint) -> list:
+    """Values a caller may pass for ``key`` (typed ``hint``): every one of a
+    ``Literal``'s, else one that keeps the tiny problem's call as it is."""
+    import typing
+
+    import jax.numpy as jnp
+
+    literals = [
+        value
+        for arm in (typing.get_args(hint) or (hint,))
+        if typing.get_origin(arm) is typing.Literal
+        for value in typing.get_args(arm)
+    ]
+    if typing.get_origin(hint) is typing.Literal:
+        literals = list(typing.get_args(hint))
+    if literals:
+        return literals
+    return [
+        {
+            "accum_dtype": jnp.float32,
+            "unroll": 2,
+            "remat": True,
+            "report_stats": True,
+            "report_finite": True,
+            "microbatch_size": None,  # the default
+            "argnums": 0,
+            "batch_argnums": 1,
+            "key_argnums": (),
+            "state_argnums": (),
+            "gather_dtype": jnp.bfloat16,
+        }.get(key, False)  # has_aux, pad, masked, loss_scale: their default
+    ]
+
+
+_BUILDERS = [
+    name
+    for name in sorted(_entry_points())
+    if "diagnose" not in name and "assert" not in name and ".plan" not in name
+]
+
+
+@pytest.mark.parametrize("name", _BUILDERS)
+def test_every_declared_keyword_and_value_is_accepted(name):
+    """Each key the bag declares, with each value its type admits (each of a
+    ``Literal``'s), builds the entry point: what type-checks runs. (The
+    planners and checks are covered by the test above and their own tests:
+    they compile.)"""
+    import typing
+
+    function, bag = _entry_points()[name]
+    for key, hint in typing.get_type_hints(bag).items():
+        for value in _valid_values(key, hint):
+            if (
+                key == "aux_reduction"
+                and "pipeline" in name
+                and value
+                not in (
+                    "mean",
+                    "sum",
+                )
+            ):
+                # Typed AuxReduction | PyTree, which admits any value; a
+                # pipeline refuses per-micro-batch aux (tests/test_pipeline.py).
+                continue
+            _call(name, function, **{key: value})

@@ -28,3 +28,10 @@ UNIT_ROUNDOFF = 2.0**-24  # float32
 MAX_TERMS = 64  # rows per batch, features per contraction, in the tests
 RTOL = 2 * (2 * MAX_TERMS * UNIT_ROUNDOFF)  # two stages of two orders: 1.5e-5
 ATOL = RTOL  # times sum|t_i| <= 1 on unit-scale data
+
+# The same bound in float64 (u = 2**-53), for windows whose claim is float64
+# equality (tests/test_float64.py): 2.8e-14. A share rounded to float32 moves
+# a float64 gradient by about 3e-8.
+UNIT_ROUNDOFF_64 = 2.0**-53
+RTOL64 = 2 * (2 * MAX_TERMS * UNIT_ROUNDOFF_64)
+ATOL64 = RTOL64

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum._types import PyTree
+from jaxaccum._types import CachedKwargs, PyTree
 from jaxaccum._window._accum_dtypes import accum_dtype_for, zeros_like_aval
 from jaxaccum._window._call_checks import check_arg_count, check_differentiable_args
 from jaxaccum._window._shard_spec import SHARD_OPTIONS
@@ -71,7 +71,11 @@ def cached_spec(num_microbatches: int | None, options: Mapping[str, Any]) -> Win
     """The window of a :func:`jaxaccum.cached_value_and_grad` call, validated
     as every front end's is, the options above refused by name."""
     return WindowSpec.create(
-        "cached_value_and_grad", num_microbatches, options, refused=REFUSED
+        "cached_value_and_grad",
+        num_microbatches,
+        options,
+        CachedKwargs,
+        refused=REFUSED,
     )
 
 

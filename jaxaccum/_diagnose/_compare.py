@@ -6,6 +6,7 @@ import numpy as np
 from jaxaccum._precision import _metadata
 from jaxaccum._types import Fun, PyTree
 from jaxaccum._value_and_grad import make_accumulated
+from jaxaccum._window import _split
 from jaxaccum._window._spec import WindowSpec
 
 
@@ -54,11 +55,27 @@ def metadata_paths(tree: PyTree) -> frozenset[str]:
     )
 
 
+def num_microbatches(args: tuple, options: WindowSpec) -> int:
+    """The window's ``N`` on the batch in ``args``."""
+    batch_size = _split.batch_size_of(
+        [(f"args[{i}]", args[i]) for i in options.batch_nums]
+    )
+    return _split.resolve_num_microbatches(
+        batch_size, options.num_microbatches, options.microbatch_size, pad=options.pad
+    ).num_microbatches
+
+
 def value_and_grads(fun: Fun, args: tuple, options: WindowSpec) -> tuple:
     """Runs ``fun`` accumulated with ``options`` under jit; returns (value,
-    grads) alone."""
-    result = jax.jit(make_accumulated(fun, options))(*args)
-    if options.report_finite:
+    grads) alone. A ``masked`` window runs with every micro-batch active
+    (``active_microbatches=N``): the big batch's gradient."""
+    accumulated = jax.jit(make_accumulated(fun, options))
+    if options.masked:
+        active = num_microbatches(args, options)
+        result = accumulated(*args, active_microbatches=active)
+    else:
+        result = accumulated(*args)
+    if options.reports:
         result = result[0]
     if options.state_nums:
         result = result[0]

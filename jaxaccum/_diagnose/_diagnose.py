@@ -26,7 +26,6 @@ from jaxaccum._diagnose._probes import (
     microbatch_weights,
 )
 from jaxaccum._types import CompareKwargs, Fun, PyTree
-from jaxaccum._window import _split
 from jaxaccum._window._spec import COMPARE_REFUSED, WindowSpec
 
 # Moving one example changes the others' input gradients by ~1e-7 (rounding)
@@ -48,7 +47,8 @@ def diagnose(
 
     Computes :func:`jaxaccum.value_and_grad` with ``N`` micro-batches and with
     one (the full batch), like
-    :func:`jaxaccum.testing.assert_grads_match_full_batch`, and reports the
+    :func:`jaxaccum.testing.assert_grads_match_full_batch` (a ``masked``
+    window with every micro-batch active), and reports the
     largest error of every leaf. When they differ, it names the first
     :class:`Cause` that explains the error, trying ``"random"``,
     ``"loss_scale"``, ``"unequal_weights"`` and ``"batch_dependent"`` (two
@@ -92,6 +92,7 @@ def diagnose(
         "diagnose",
         num_microbatches,
         value_and_grad_kwargs,
+        CompareKwargs,
         refused=COMPARE_REFUSED,
     )
     accumulated, reference = _compare.accumulated_and_reference(fun, args, options)
@@ -103,7 +104,7 @@ def diagnose(
             {"value": reference[0], "grads": reference[1]},
         )
     )
-    num = _num_microbatches(args, options)
+    num = _compare.num_microbatches(args, options)
     accumulated_grads = flat_gradients(accumulated[1])
     reference_grads = flat_gradients(reference[1])
     error = float(np.linalg.norm(accumulated_grads - reference_grads))
@@ -168,15 +169,6 @@ def _reporter(
         )
 
     return report
-
-
-def _num_microbatches(args: tuple, options: WindowSpec) -> int:
-    batch_size = _split.batch_size_of(
-        [(f"args[{i}]", args[i]) for i in options.batch_nums]
-    )
-    return _split.resolve_num_microbatches(
-        batch_size, options.num_microbatches, options.microbatch_size, pad=options.pad
-    ).num_microbatches
 
 
 def _close(actual: PyTree, expected: PyTree, rtol: float, atol: float) -> bool:

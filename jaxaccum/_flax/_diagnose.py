@@ -29,7 +29,11 @@ def check_kwargs(helper: str, value_and_grad_kwargs: Collection[str]) -> None:
     second argument) and carry the model's state: they set those roles, and
     compare unscaled, unsharded windows."""
     WindowSpec.check_keywords(
-        helper, value_and_grad_kwargs, fixed=ROLES, refused=COMPARE_REFUSED
+        helper,
+        value_and_grad_kwargs,
+        FlaxCompareKwargs,
+        fixed=ROLES,
+        refused=COMPARE_REFUSED,
     )
 
 

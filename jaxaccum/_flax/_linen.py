@@ -33,6 +33,7 @@ def linen_options(
     num_microbatches: int | None,
     options: Mapping[str, Any],
     collections: tuple[str, ...],
+    has_aux: bool,
 ) -> WindowSpec:
     """A Linen front end's options: ``fun(variables, batch, ...)`` split as
     params (differentiated), state (the mutable collections), batch, rngs."""
@@ -40,11 +41,13 @@ def linen_options(
         where,
         num_microbatches,
         options,
+        FlaxKwargs,
         fixed={
             "argnums": 0,
             "batch_argnums": 2,
             "key_argnums": 3,
             "state_argnums": 1 if collections else (),
+            "has_aux": has_aux,
         },
         refused=SHARD_OPTIONS,
     )
@@ -110,8 +113,9 @@ def linen_value_and_grad(
     options = linen_options(
         "linen_value_and_grad",
         num_microbatches,
-        {**value_and_grad_kwargs, "has_aux": has_aux},
+        value_and_grad_kwargs,
         collections,
+        has_aux,
     )
     if options.pad:
         check_accepts_example_mask(fun)

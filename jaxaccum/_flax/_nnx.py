@@ -77,8 +77,14 @@ def nnx_value_and_grad(
     options = WindowSpec.create(
         "nnx_value_and_grad",
         num_microbatches,
-        {**value_and_grad_kwargs, "has_aux": has_aux},
-        fixed={"argnums": 0, "batch_argnums": 2, "state_argnums": 1},
+        value_and_grad_kwargs,
+        FlaxKwargs,
+        fixed={
+            "argnums": 0,
+            "batch_argnums": 2,
+            "state_argnums": 1,
+            "has_aux": has_aux,
+        },
         refused={**SHARD_OPTIONS, "key_argnums": NNX_KEYS},
     )
     if options.pad:

@@ -80,8 +80,9 @@ def linen_train_step(
     reports = linen_options(
         "linen_train_step",
         num_microbatches,
-        {**value_and_grad_kwargs, "has_aux": has_aux},
+        value_and_grad_kwargs,
         collections,
+        has_aux,
     ).reports
     accumulate = linen_value_and_grad(
         fun,

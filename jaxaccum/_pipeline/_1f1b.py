@@ -45,11 +45,12 @@ from jaxaccum._pipeline._device import (
     make_device,
     varying,
 )
-from jaxaccum._pipeline._run import Raw, Run, share_dtype
+from jaxaccum._pipeline._run import Raw, Run
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._pipeline._stats import probed as probed_options
 from jaxaccum._types import Batch, PyTree
+from jaxaccum._window._micro_result import share_dtype
 
 
 @dataclasses.dataclass(frozen=True)

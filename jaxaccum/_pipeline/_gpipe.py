@@ -24,11 +24,12 @@ from jaxaccum._pipeline._device import (
     select,
     varying,
 )
-from jaxaccum._pipeline._run import Raw, Run, share_dtype
+from jaxaccum._pipeline._run import Raw, Run
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._stats import make_probes, probed, unshared
 from jaxaccum._precision._loss_scale import scale_loss
 from jaxaccum._types import Batch, Fun, PyTree
+from jaxaccum._window._micro_result import share_dtype
 from jaxaccum._window._noise_scale import unscaled_squared_norm
 
 

@@ -219,6 +219,7 @@ def _base_options(
         "plan_pipeline",
         1,
         options,
+        PipelinePlanKwargs,
         fixed={"layout": layout},
         refused={**PIPELINE_REFUSED, "loss_scale": NO_LOSS_SCALE},
     )

@@ -5,7 +5,6 @@ and :class:`Raw`, the sums and gradient before normalisation."""
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxaccum._pipeline._calls import LossOut
@@ -140,8 +139,3 @@ class Raw(NamedTuple):
         )
         finite = tree_finite((self.sums.loss, self.sums.weight, grads))
         return self._replace(grads=grads, finite=finite)
-
-
-def share_dtype(loss: Any) -> Any:
-    """The shares' dtype: the loss sum's, at least float32."""
-    return jnp.promote_types(jnp.result_type(loss), jnp.float32)

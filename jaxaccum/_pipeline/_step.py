@@ -191,6 +191,7 @@ def pipeline_value_and_grad(
         "pipeline_value_and_grad",
         num_microbatches,
         options,
+        PipelineKwargs,
         fixed={"layout": layout},
         refused=PIPELINE_REFUSED,
     )

@@ -122,10 +122,14 @@ def plan_modes(
     WindowSpec.check_keywords(
         "plan_modes",
         shard_kwargs,
+        ModePlanKwargs,
         refused={
             "param_gather": chosen,
             "grad_reduce": chosen,
             "loss_scale": NO_LOSS_SCALE,
+            "microbatch_size": "plan_modes compares windows of num_microbatches "
+            "micro-batches: pass num_microbatches (the batch size over "
+            "microbatch_size).",
         },
     )
     budget = parse_memory_budget(memory_budget)

@@ -175,6 +175,7 @@ def plan(
         "plan",
         1,
         value_and_grad_kwargs,
+        PlanKwargs,
         refused={**SHARD_OPTIONS, "loss_scale": NO_LOSS_SCALE},
     )
     batch_nums = options.batch_nums

@@ -196,6 +196,7 @@ def shard_value_and_grad(
         "shard_value_and_grad",
         num_microbatches,
         keywords,
+        ShardKwargs,
         fixed={"data_axes": _data_axes(data_axis)},
         refused=_NOT_SHARDED,
     )

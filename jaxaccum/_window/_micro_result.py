@@ -35,8 +35,8 @@ class MicroResult(NamedTuple):
       out: its other outputs.
       grads: the gradient of the loss at its share of the window (see
         :func:`microbatch_share`), FP8 metadata leaves their new values.
-      share: the share (a float32 scalar): ``grads`` is the loss's gradient
-        times ``share``.
+      share: the share (a scalar in :func:`share_dtype` of the loss):
+        ``grads`` is the loss's gradient times ``share``.
     """
 
     value: Any
@@ -79,8 +79,15 @@ def aux_pair(out: PyTree, fun: str) -> tuple[Any, Any]:
     return out[0], jax.tree.map(jnp.asarray, out[1])
 
 
+def share_dtype(loss: Any) -> Any:
+    """The dtype a share is taken in: the loss's, at least float32. A share
+    rounded below the loss's precision (``1 / 3`` in float32 for a float64
+    loss) would move every gradient by that rounding."""
+    return jnp.promote_types(jnp.result_type(loss), jnp.float32)
+
+
 def microbatch_share(
-    options: WindowSpec, num_means: Any, weight: PyTree, dtype: Any = jnp.float32
+    options: WindowSpec, num_means: Any, weight: PyTree, dtype: Any
 ) -> PyTree:
     """What one micro-batch's loss is multiplied by before its backward pass,
     so that every cotangent in it is the big batch's for the same examples
@@ -92,7 +99,7 @@ def microbatch_share(
     loss sum is divided by ``num_means w_k``, the window's total if the
     micro-batches held equal weight (the big batch's cotangents exactly then,
     within the micro-batches' imbalance otherwise); zero weight, zero share.
-    In ``dtype`` (float32 by default).
+    In ``dtype``: every caller passes :func:`share_dtype` of its loss.
     """
     if options.reduction == "sum":
         return jnp.ones((), dtype)

@@ -17,6 +17,7 @@ from jaxaccum._window._micro_result import (
     MicroResult,
     aux_pair,
     microbatch_share,
+    share_dtype,
     weighted_pair,
 )
 from jaxaccum._window._spec import WindowSpec
@@ -101,7 +102,7 @@ def micro_value_and_grad(
                 "has_aux=True; (loss_sum, weight) with reduction='weighted'); "
                 f"got a {type(loss).__name__}."
             )
-        share = microbatch_share(options, num_means, weight)
+        share = microbatch_share(options, num_means, weight, share_dtype(loss))
         differentiated = loss * share.astype(jnp.result_type(loss))
         if loss_scale is not None:
             differentiated = scale_loss(differentiated, loss_scale)

@@ -25,6 +25,7 @@ from jaxaccum._types import (
     PyTree,
     Reduction,
     Remat,
+    declared_keywords,
 )
 from jaxaccum._window._shard_spec import SHARD_OPTIONS, Sharding
 
@@ -212,6 +213,7 @@ class WindowSpec:
         where: str,
         num_microbatches: int | None,
         options: Mapping[str, Any],
+        keywords: type,
         *,
         fixed: Mapping[str, Any] | None = None,
         refused: Mapping[str, str] | None = None,
@@ -224,18 +226,20 @@ class WindowSpec:
           num_microbatches: the call's ``N`` (or None, with
             ``microbatch_size`` among ``options``).
           options: the caller's keyword options, names of fields.
+          keywords: the front end's keyword bag (a ``TypedDict`` of
+            :mod:`jaxaccum._types`, what its signature ``Unpack`` s): the
+            one source of the options it takes.
           fixed: fields the front end sets itself (its argument roles, a
             sharded front end's ``data_axes``).
-          refused: fields it does not take, each with why and what to use.
+          refused: why it does not take some fields, and what to use.
 
         Raises:
-          TypeError: naming the keyword, for one that is not a field (listing
-            the front end's options), one in ``fixed`` or in ``refused``, or
-            one set by a front end itself (``data_axes``, ``param_specs``,
-            a pipeline's ``layout``).
+          TypeError: naming the keyword, for one ``keywords`` does not
+            declare (with why where ``refused`` or ``fixed`` says, else
+            listing the front end's options).
         """
         fixed = dict(fixed or {})
-        cls.check_keywords(where, options, fixed=fixed, refused=refused)
+        cls.check_keywords(where, options, keywords, fixed=fixed, refused=refused)
         given = {**options, **fixed}
         sharded = {k: given.pop(k) for k in Sharding.field_names() & set(given)}
         if sharded:
@@ -247,13 +251,18 @@ class WindowSpec:
         cls,
         where: str,
         options: Collection[str],
+        keywords: type,
         *,
         fixed: Collection[str] = (),
         refused: Mapping[str, str] | None = None,
     ) -> None:
-        """Raises :meth:`create`'s errors for the keyword names ``options``."""
+        """Raises :meth:`create`'s errors for the keyword names ``options``:
+        those ``keywords`` declares are taken, no other."""
+        declared = declared_keywords(keywords)
         refused = refused or {}
         for name in options:
+            if name in declared:
+                continue
             if name in refused:
                 raise TypeError(f"{where} does not take {name}: {refused[name]}")
             if name in fixed:
@@ -262,12 +271,10 @@ class WindowSpec:
                     "layout its docstring gives, or use jaxaccum.value_and_grad "
                     "for another layout."
                 )
-            if name not in cls.option_names():
-                accepted = sorted(cls.option_names() - set(fixed) - set(refused))
-                raise TypeError(
-                    f"{where} got an unknown keyword argument {name!r}; its "
-                    f"options are: {', '.join(accepted)}."
-                )
+            raise TypeError(
+                f"{where} got an unknown keyword argument {name!r}; its "
+                f"options are: {', '.join(sorted(declared))}."
+            )
 
     # Fields no caller sets: N is positional, the rest set by the front ends.
     _SET_BY_FRONT_ENDS: ClassVar[frozenset[str]] = frozenset(

@@ -144,7 +144,9 @@ class Window:
             if self.metadata[index]:
                 return jnp.maximum(total, _metadata.physical(grad))
             grad = jnp.asarray(grad).astype(total.dtype)
-            return total + (grad if unshare is None else grad * unshare)
+            if unshare is not None:  # in the share's dtype, which may be wider
+                grad = (grad * unshare).astype(total.dtype)
+            return total + grad
 
         aux_carry, stacked = self.aux_plan.update(sums.aux, result.out.aux)
         grads = result.grads
