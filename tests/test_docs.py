@@ -122,6 +122,19 @@ def test_nav_lists_every_page():
     assert missing == [], f"pages missing from mkdocs.yml's nav: {missing}"
 
 
+def test_the_guides_the_library_names_exist():
+    """A message that sends its reader to a guide (``diagnose``'s causes, the
+    refusals) names a page that is there."""
+    named = {
+        match
+        for source in (ROOT / "jaxaccum").rglob("*.py")
+        for match in re.findall(r"docs/[\w/.-]+\.md", source.read_text())
+    }
+    assert named, "no guide named in jaxaccum/: the pattern is wrong"
+    missing = sorted(path for path in named if not (ROOT / path).is_file())
+    assert missing == [], f"jaxaccum/ names guides that do not exist: {missing}"
+
+
 def test_the_pages_figures_are_those_of_their_results_files(capsys):
     """Every tracked Markdown file: no figure stale, no ``{{ }}`` macro left
     (GitHub shows it raw), no marker where it would not render."""
