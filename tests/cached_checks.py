@@ -8,11 +8,13 @@ reports the collectives XLA put in the compiled program, inside and outside
 its loops. Under plain ``jit`` XLA all-reduces the replicated parameters'
 gradient in each pass-2 iteration (the accumulator is replicated); one
 reduction per step needs the window per device (``mesh=``, ``data_axis=``,
-as ``shard_value_and_grad`` takes them), not built yet. Prints one JSON
-object, ``{check name: {"ok": bool, "detail": str}}``, as the last line of
-stdout.
+as ``shard_value_and_grad`` takes them): the ``mesh_*`` checks assert it
+exact and count its collectives, nothing inside a loop, one all-gather of
+the outputs and one all-reduce after the loop. Prints one JSON object,
+``{check name: {"ok": bool, "detail": str}}``, as the last line of stdout.
 """
 
+import functools
 import sys
 
 import chex
@@ -32,7 +34,7 @@ CHECKS = [
     f"{axis_type}_data_sharded_n{num}"
     for axis_type in ("auto", "explicit")
     for num in (2, 8)
-]
+] + ["mesh_explicit_n1", "mesh_auto_n2", "mesh_explicit_n4", "mesh_2axes_n2"]
 
 
 def encode(params, batch):
@@ -55,6 +57,17 @@ def clip_loss(params, outputs):
     image_to_text = jnp.mean(jax.nn.logsumexp(logits, axis=1))
     text_to_image = jnp.mean(jax.nn.logsumexp(logits, axis=0))
     return (image_to_text + text_to_image) / 2 - positive
+
+
+def ordered_loss(params, outputs):
+    """clip_loss, plus a term that weighs each example by its row: a loss
+    that sees the order of the rows (CLIP's is the same for any order of the
+    examples), so outputs gathered out of the batch's order change it."""
+    image, text = outputs["image"], outputs["text"]
+    position = jnp.arange(image.shape[0]) / image.shape[0]
+    return clip_loss(params, outputs) + jnp.mean(
+        position * jnp.sum(image * text, axis=-1)
+    )
 
 
 def inputs():
@@ -101,7 +114,61 @@ def check_sharded(axis_type, num_microbatches):
     )
 
 
+@functools.cache
+def big_batch():
+    params, batch = inputs()
+    loss = jax.value_and_grad(lambda p, b: ordered_loss(p, encode(p, b)))
+    return jax.jit(loss)(params, batch)
+
+
+def check_per_device(layout, num_microbatches):
+    """The window per device (mesh=, data_axis=): the big batch's value and
+    gradient (the temperature's counted once, the outputs in the batch's
+    order: ordered_loss), and in the compiled program
+    no collective inside a loop, one all-gather (the outputs, both towers'
+    side by side) and one all-reduce (the gradients, with the value) after
+    the loop, nothing else."""
+    if layout == "2axes":  # the batch over both axes of a 2 x 4 mesh
+        shape, axes = (2, 4), ("replica", "data")
+        mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Explicit,) * 2)
+    else:
+        kind = AxisType.Auto if layout == "auto" else AxisType.Explicit
+        axes = ("data",)
+        mesh = jax.make_mesh((8,), axes, axis_types=(kind,))
+    params, batch = inputs()
+    rows = NamedSharding(mesh, P(axes))
+    placed = (
+        jax.device_put(params, NamedSharding(mesh, P())),
+        jax.device_put(batch, rows),
+    )
+    data_axis = axes if len(axes) > 1 else axes[0]
+    step = jax.jit(
+        jaxaccum.cached_value_and_grad(
+            encode, ordered_loss, num_microbatches, mesh=mesh, data_axis=data_axis
+        )
+    )
+    compiled = step.lower(*placed).compile()
+    out = compiled(*placed)
+    chex.assert_trees_all_close(out, big_batch(), rtol=RTOL, atol=ATOL)
+    assert len(placed[1]["image"].sharding.device_set) == 8
+    if num_microbatches > 1:
+        assert " while(" in compiled.as_text(), "the micro-batch loops were unrolled"
+    collectives = find_collectives(compiled)
+    in_loop = [c for c in collectives if c.in_loop]
+    assert not in_loop, f"collectives inside a loop: {in_loop}"
+    ops = sorted(c.op for c in collectives)
+    assert ops == ["all-gather", "all-reduce"], f"collectives: {collectives}"
+    gather, reduce = sorted(collectives, key=lambda c: c.op)
+    assert gather.shapes == (f"f32[{BATCH_SIZE},{2 * EMBED}]",), gather
+    assert f"f32[{FEATURES},{EMBED}]" in reduce.shapes, reduce
+    assert gather.group_size == reduce.group_size == 8, collectives
+    return f"collectives: {[(c.op, c.shapes) for c in collectives]}"
+
+
 def run(name):
+    if name.startswith("mesh_"):
+        _, layout, num = name.split("_")
+        return check_per_device(layout, int(num.removeprefix("n")))
     axis_type, num = name.split("_data_sharded_n")
     return check_sharded(axis_type, int(num))
 

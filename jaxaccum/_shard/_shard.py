@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from typing_extensions import Unpack
 
-from jaxaccum._shard._shard_map import Frozen, auto_model_axes, shard_mapped
+from jaxaccum._shard._shard_map import run_per_device
 from jaxaccum._types import Fun, PyTree, ShardKwargs
 from jaxaccum._value_and_grad import make_accumulated
-from jaxaccum._window import _batch_nodes, _split
+from jaxaccum._window import _split
 from jaxaccum._window._call_checks import check_arg_count
 from jaxaccum._window._fsdp import shard_plan
 from jaxaccum._window._spec import WindowSpec
@@ -199,9 +199,6 @@ def shard_value_and_grad(
         fixed={"data_axes": _data_axes(data_axis)},
         refused=_NOT_SHARDED,
     )
-    mapped_nums = tuple(
-        sorted(options.diff_nums + options.batch_nums + options.key_nums)
-    )
 
     @functools.wraps(fun)
     def accumulated(*args: PyTree, **kwargs: PyTree) -> PyTree:
@@ -216,29 +213,16 @@ def shard_value_and_grad(
         call_options = _per_device_options(options, batch_size, device_mesh).resharded(
             param_specs=_param_specs_of(diff_args, options.data_axes)
         )
-        per_device = make_accumulated(fun, call_options)
-        frozen = Frozen.of(args, kwargs, mapped_nums)
-
-        def on_device(mapped: tuple, frozen_arrays: list) -> PyTree:
-            call_args, call_kwargs = frozen.rebuild(frozen_arrays)
-            for num, value in zip(mapped_nums, mapped, strict=True):
-                # A device's rows, their registered nodes labelled so.
-                is_batch = num in options.batch_nums
-                call_args[num] = (
-                    _batch_nodes.relabelled(value, batch_size) if is_batch else value
-                )
-            return per_device(*call_args, **call_kwargs)
-
         shards = shard_plan(call_options)
         assert shards is not None  # data_axes is never empty here
-        grad_specs = shards.data_specs(diff_args)
-        step = shard_mapped(on_device, mapped_nums, options, device_mesh, grad_specs)
-        step = auto_model_axes(step, diff_args, options, device_mesh)
-        # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
-        # resharded (an eager shard_map refuses them); in the caller's jit,
-        # this jit is inlined.
-        mapped = tuple(args[num] for num in mapped_nums)
-        return jax.jit(step)(mapped, frozen.arrays)
+        return run_per_device(
+            make_accumulated(fun, call_options),
+            args,
+            kwargs,
+            options,
+            device_mesh,
+            shards.data_specs(diff_args),
+        )
 
     return accumulated
 
