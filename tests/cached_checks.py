@@ -20,6 +20,7 @@ import sys
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from check_scripts import report
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,7 +35,13 @@ CHECKS = [
     f"{axis_type}_data_sharded_n{num}"
     for axis_type in ("auto", "explicit")
     for num in (2, 8)
-] + ["mesh_explicit_n1", "mesh_auto_n2", "mesh_explicit_n4", "mesh_2axes_n2"]
+] + [
+    "mesh_explicit_n1",
+    "mesh_auto_n2",
+    "mesh_explicit_n4",
+    "mesh_2axes_n2",
+    "mesh_keys_n2",
+]
 
 
 def encode(params, batch):
@@ -165,7 +172,57 @@ def check_per_device(layout, num_microbatches):
     return f"collectives: {[(c.op, c.shapes) for c in collectives]}"
 
 
+def dropout_encode(params, batch, key):
+    """encode with dropout on the image embedding, drawn from ``key``."""
+    outputs = encode(params, batch)
+    keep = jax.random.bernoulli(key, 0.6, outputs["image"].shape)
+    return {**outputs, "image": jnp.where(keep, outputs["image"], 0.0) / 0.6}
+
+
+def keyed_loss(params, outputs, key):
+    del key
+    return ordered_loss(params, outputs)
+
+
+def check_keys_per_device(num_microbatches):
+    """key_argnums with mesh=: the big batch's gradient with the masks the
+    docstring gives (device d's key folded with d, then split per
+    micro-batch, micro-batch k its rows k, k + N, ...), so pass 2 drew pass
+    1's masks; a mask redrawn in pass 2 would move the gradient."""
+    mesh = jax.make_mesh((8,), ("data",))
+    params, batch = inputs()
+    key = jax.random.key(7)
+    local = BATCH_SIZE // 8
+
+    def composed(params):
+        pieces, rows = [], []
+        for device in range(8):
+            keys = jax.random.split(jax.random.fold_in(key, device), num_microbatches)
+            for index in range(num_microbatches):
+                micro_rows = device * local + np.arange(index, local, num_microbatches)
+                micro = jax.tree.map(lambda x, r=micro_rows: x[r], batch)
+                pieces.append(dropout_encode(params, micro, keys[index]))
+                rows.append(micro_rows)
+        order = np.argsort(np.concatenate(rows))
+        outputs = jax.tree.map(lambda *xs: jnp.concatenate(xs)[order], *pieces)
+        return ordered_loss(params, outputs)
+
+    reference = jax.jit(jax.value_and_grad(composed))(params)
+    step = jaxaccum.cached_value_and_grad(
+        dropout_encode, keyed_loss, num_microbatches, key_argnums=2, mesh=mesh
+    )
+    placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    out = jax.jit(step)(jax.device_put(params, NamedSharding(mesh, P())), placed, key)
+    chex.assert_trees_all_close(out, reference, rtol=RTOL, atol=ATOL)
+    unmasked = jax.jit(jax.value_and_grad(lambda p: ordered_loss(p, encode(p, batch))))
+    moved = abs(float(unmasked(params)[0] - out[0]))
+    assert moved > 1e-2, f"the masks changed the value by {moved} only"
+    return f"value {float(out[0]):.6f}, {moved:.3f} from the unmasked one"
+
+
 def run(name):
+    if name == "mesh_keys_n2":
+        return check_keys_per_device(2)
     if name.startswith("mesh_"):
         _, layout, num = name.split("_")
         return check_per_device(layout, int(num.removeprefix("n")))

@@ -36,7 +36,9 @@ def test_window_per_device_is_exact_with_one_reduction_after_the_loops(
     """mesh= and data_axis= over 8 devices (Auto, Explicit, a 2 x 4 mesh), N
     = 1, 2, 4: the big batch's value and gradient with a loss that sees the
     rows' order, and in the compiled program no collective inside a loop,
-    one all-gather of the outputs and one all-reduce of the gradients."""
+    one all-gather of the outputs and one all-reduce of the gradients;
+    key_argnums' keys folded with the device's index, pass 2 drawing pass
+    1's masks (mesh_keys_n2)."""
     assert sharded_results[check]["ok"], sharded_results[check]["detail"]
 
 
