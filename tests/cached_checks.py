@@ -149,9 +149,15 @@ def check_per_device(layout, num_microbatches):
         jax.device_put(batch, rows),
     )
     data_axis = axes if len(axes) > 1 else axes[0]
+    # N = 4 given as its micro-batch size over all devices (2 rows a device).
+    split = (
+        {"microbatch_size": BATCH_SIZE // num_microbatches}
+        if num_microbatches == 4
+        else {"num_microbatches": num_microbatches}
+    )
     step = jax.jit(
         jaxaccum.cached_value_and_grad(
-            encode, ordered_loss, num_microbatches, mesh=mesh, data_axis=data_axis
+            encode, ordered_loss, mesh=mesh, data_axis=data_axis, **split
         )
     )
     compiled = step.lower(*placed).compile()

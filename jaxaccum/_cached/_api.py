@@ -58,15 +58,17 @@ def cached_value_and_grad(
     :func:`value_and_grad` splits them (unchanged at ``N = 1``) and pass 2
     draws the same keys as pass 1, so its forward is pass 1's, bit for bit;
     per-example keys carried as a batch leaf make dropout the big batch's at
-    any ``N``, with or without a mesh. With ``mesh=`` the encoder's keys are
+    any ``N``. With ``mesh=`` the encoder's keys are
     folded with the device's index before the split (as
     :func:`shard_value_and_grad` does), so devices draw independent dropout
     for their rows and passes 1 and 2 still draw the same; they are not the
     unsharded window's keys (random bits depend on the micro-batch's shape,
-    which a device holds a share of). ``loss`` gets the call's keys. Mutable state is refused (there is no ``state_argnums``):
-    BatchNorm's statistics over a micro-batch are not the big batch's, so an
-    encoder with them cannot be exact; use LayerNorm or GroupNorm, or
-    BatchNorm's running averages.
+    which a device holds a share of). ``loss`` gets the call's keys.
+
+    Mutable state is refused (there is no ``state_argnums``): BatchNorm's
+    statistics over a micro-batch are not the big batch's, so an encoder
+    with them cannot be exact; use LayerNorm or GroupNorm, or BatchNorm's
+    running averages.
 
     Args:
       encode: ``encode(*args)`` with the batch argument a micro-batch (and keys
@@ -81,7 +83,8 @@ def cached_value_and_grad(
       **options: the keyword options below.
 
     Keyword Args:
-      microbatch_size: examples per micro-batch, instead of ``N``.
+      microbatch_size: examples per micro-batch, instead of ``N`` (with a
+        mesh, over all ``D`` devices: a multiple of ``D``).
       argnums: positional argument(s) to differentiate (float leaves).
       batch_argnums: positional argument(s) holding the batch, split on axis 0
         as :func:`value_and_grad` splits it (strided).
