@@ -57,8 +57,9 @@ def test_window_per_device_refuses_what_it_cannot_run():
         cached(mesh=mesh, data_axis=3)
     with pytest.raises(ValueError, match="No mesh: pass mesh="):
         cached(data_axis="data")(params, batch)
-    with pytest.raises(ValueError, match="num_microbatches=3 does not divide"):
+    with pytest.raises(ValueError, match="num_microbatches=3 does not divide") as info:
         cached(num=3, mesh=mesh)(params, batch)
+    assert "pad=True" not in str(info.value), info.value  # pad is refused here
     with pytest.raises(TypeError, match="does not take param_gather"):
         cached(mesh=mesh, param_gather="window")
     first = jax.device_put(params["image"][0], NamedSharding(mesh, P("data")))

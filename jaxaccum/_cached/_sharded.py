@@ -155,7 +155,7 @@ def per_device(window: Window, spec: WindowSpec, mesh: Any) -> Fun:
         device_mesh = resolve_mesh(mesh, spec.data_axes, jax.sharding.get_abstract_mesh)
         check_replicated(args, spec)
         batch_size = batch_size_of([(f"args[{i}]", args[i]) for i in spec.batch_nums])
-        device_spec = per_device_options(spec, batch_size, device_mesh)
+        device_spec = per_device_options(spec, batch_size, device_mesh, can_pad=False)
         return run_per_device(
             lambda *device_args: window(device_args, device_spec),
             args,

@@ -254,18 +254,24 @@ def _param_specs_of(diff_args: tuple, data_axes: tuple[str, ...]) -> tuple:
     return tuple(specs)
 
 
-def _per_device_options(options: WindowSpec, batch_size: int, mesh: Any) -> WindowSpec:
-    """The options of one device's window: its share of the micro-batch size."""
+def _per_device_options(
+    options: WindowSpec, batch_size: int, mesh: Any, *, can_pad: bool = True
+) -> WindowSpec:
+    """The options of one device's window: its share of the micro-batch size
+    (``can_pad``: whether the front end takes ``pad``, for the hint)."""
     num_devices = math.prod(mesh.shape[axis] for axis in options.data_axes)
-    local_microbatch_size = _local_split(batch_size, num_devices, options)
+    local_microbatch_size = _local_split(batch_size, num_devices, options, can_pad)
     if local_microbatch_size is None:
         return options
     return dataclasses.replace(options, microbatch_size=local_microbatch_size)
 
 
-def _local_split(batch_size: int, num_devices: int, options: WindowSpec) -> int | None:
+def _local_split(
+    batch_size: int, num_devices: int, options: WindowSpec, can_pad: bool = True
+) -> int | None:
     """Checks the per-device split; returns the per-device micro-batch size
     (None when the split is given as ``num_microbatches``)."""
+    or_pad = ", or pad=True (with reduction='weighted' or 'sum')" if can_pad else ""
     num_microbatches, microbatch_size = (
         options.num_microbatches,
         options.microbatch_size,
@@ -292,8 +298,7 @@ def _local_split(batch_size: int, num_devices: int, options: WindowSpec) -> int 
                 f"device, which microbatch_size={microbatch_size} "
                 f"({microbatch_size // num_devices} per device) does not divide. "
                 "Use a micro-batch size that divides the batch size by a "
-                "multiple of the device count, or pad=True (with "
-                "reduction='weighted' or 'sum')."
+                f"multiple of the device count{or_pad}."
             )
         return microbatch_size // num_devices
     assert num_microbatches is not None  # WindowSpec sets exactly one
@@ -302,8 +307,7 @@ def _local_split(batch_size: int, num_devices: int, options: WindowSpec) -> int 
             f"Batch size {batch_size} over {where} is {local_size} rows per "
             f"device, which num_microbatches={num_microbatches} does not divide: "
             "each device splits its own rows into the micro-batches. Use "
-            f"num_microbatches from {_split.divisors(local_size)}, a batch size "
-            f"that is a multiple of {num_devices * num_microbatches}, or "
-            "pad=True (with reduction='weighted' or 'sum')."
+            f"num_microbatches from {_split.divisors(local_size)}, or a batch "
+            f"size that is a multiple of {num_devices * num_microbatches}{or_pad}."
         )
     return None
