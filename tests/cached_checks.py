@@ -17,6 +17,7 @@ the outputs and one all-reduce after the loop. Prints one JSON object,
 import functools
 import sys
 
+import cached_models as models
 import chex
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ CHECKS = [
     "mesh_explicit_n4",
     "mesh_2axes_n2",
     "mesh_keys_n2",
+    "mesh_labels_aux_n2",
 ]
 
 
@@ -226,9 +228,46 @@ def check_keys_per_device(num_microbatches):
     return f"value {float(out[0]):.6f}, {moved:.3f} from the unmasked one"
 
 
+def check_labels_and_aux_per_device(num_microbatches):
+    """With mesh=: integer outputs (labels) beside float ones (hard
+    negatives), an aux of an int and a bool: the big batch's, the outputs
+    gathered once per dtype, the value, aux and gradients reduced once per
+    dtype, nothing in a loop (test_cached.py's towers and loss)."""
+
+    def loss_with_aux(params, outputs):
+        value = models.clip_loss(params, outputs)
+        return value, {"negative": value < 0, "labels": jnp.sum(outputs["label"])}
+
+    mesh = jax.make_mesh((8,), ("data",))
+    params, batch = models.towers()
+    reference = jax.jit(
+        jax.value_and_grad(
+            lambda p, b: loss_with_aux(p, models.encode(p, b)), has_aux=True
+        )
+    )(params, batch)
+    step = jaxaccum.cached_value_and_grad(
+        models.encode, loss_with_aux, num_microbatches, mesh=mesh, has_aux=True
+    )
+    placed = (
+        jax.device_put(params, NamedSharding(mesh, P())),
+        jax.device_put(batch, NamedSharding(mesh, P("data"))),
+    )
+    compiled = jax.jit(step).lower(*placed).compile()
+    chex.assert_trees_all_close(compiled(*placed), reference, rtol=RTOL, atol=ATOL)
+    collectives = find_collectives(compiled)
+    assert not [c for c in collectives if c.in_loop], collectives
+    counts = {
+        op: sum(c.op == op for c in collectives) for op in ("all-gather", "all-reduce")
+    }
+    assert counts == {"all-gather": 2, "all-reduce": 2}, collectives
+    return f"collectives: {[(c.op, c.shapes) for c in collectives]}"
+
+
 def run(name):
     if name == "mesh_keys_n2":
         return check_keys_per_device(2)
+    if name == "mesh_labels_aux_n2":
+        return check_labels_and_aux_per_device(2)
     if name.startswith("mesh_"):
         _, layout, num = name.split("_")
         return check_per_device(layout, int(num.removeprefix("n")))

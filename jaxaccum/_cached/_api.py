@@ -49,7 +49,8 @@ def cached_value_and_grad(
     loss and its gradient run on the whole batch, identically on every
     device; each device slices its rows of the cotangent, runs pass 2 over
     them, and one all-reduce after the loop sums the gradients (the loss's
-    direct part counted once). Nothing collective runs inside either loop.
+    direct part counted once) with the value and aux (one per dtype: an
+    integer aux adds one). Nothing collective runs inside either loop.
     ``N`` micro-batches per device, each spread over all ``D`` devices.
     The parameters must be replicated over the data axes: an FSDP layout
     (parameters sharded over them) is refused for now.
