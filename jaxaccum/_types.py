@@ -14,6 +14,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from jax.sharding import AbstractMesh, Mesh
 from jax.typing import DTypeLike
 from typing_extensions import TypedDict
 
@@ -176,10 +177,13 @@ class ModePlanKwargs(_Window, _HasAux, _Pad, _Argnums, _BatchRoles, _GatherDtype
 class CachedKwargs(_Size, _HasAux, _Argnums, _BatchRoles, total=False):
     """The options of :func:`jaxaccum.cached_value_and_grad`: the window's
     split, roles, accumulation dtype and unroll (no reduction, state, pad,
-    mask, loss scale or remat: the loss sees the whole batch, once)."""
+    mask, loss scale or remat: the loss sees the whole batch, once), and
+    the mesh it runs per device on."""
 
     accum_dtype: DTypeLike | None
     unroll: int | bool
+    mesh: Mesh | AbstractMesh | None
+    data_axis: str | Sequence[str]
 
 
 class PipelinePlanKwargs(_Window, _HasAux, _Finite, _PipelineShardModes):

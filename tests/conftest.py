@@ -125,7 +125,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     "cached_value_and_grad: whole-batch losses equal the big batch, keys replayed": (
         "tests/test_cached.py::test_float64_equals_the_big_batch",
         "tests/test_cached.py::test_float32_within_rounding_and_the_temperature_counted_once",
-        "tests/test_cached.py::test_key_argnums_replays_pass_one_bitwise_in_pass_two",
+        "tests/test_cached_keys.py::test_key_argnums_replays_pass_one_bitwise_in_pass_two",
     ),
     "shard_value_and_grad: data parallel sums on 1 and 8 devices, 2 processes": (
         "tests/test_distributed.py::test_one_device_mesh_equals_value_and_grad",

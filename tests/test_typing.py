@@ -72,6 +72,7 @@ WRONG = [
     'acc.cached_value_and_grad(loss, loss, 4, reduction="sum")',
     "acc.cached_value_and_grad(loss, loss, 4, acum_dtype=None)",
     "acc.cached_value_and_grad(loss, loss, 4, state_argnums=2)",
+    "acc.cached_value_and_grad(loss, loss, 4, data_axis=3)",
     "losses.softmax_contrastive(x, x, 10.0, blocksize=4)",
     'losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size="4")',
     'misspelt: acc.ScheduleName = "zb"',
@@ -110,6 +111,7 @@ RIGHT = [
     "acc.cached_value_and_grad(loss, loss, 4, key_argnums=2, accum_dtype=None)",
     "acc.cached_value_and_grad(loss, loss, microbatch_size=2, argnums=(0, 2))",
     "acc.cached_value_and_grad(loss, loss, 2, has_aux=True, unroll=True)",
+    "acc.cached_value_and_grad(loss, loss, 2, mesh=mesh, data_axis=('data',))",
     "losses.softmax_contrastive(x, x, jnp.exp(jnp.log(10.0)), block_size=4)",
     "losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size=2)",
     # The pipeline guide's recipe: the plan's choice passed on (issue 62, case 6).

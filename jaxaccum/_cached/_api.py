@@ -1,16 +1,20 @@
 """``cached_value_and_grad``: a loss that sees the whole batch, exact at
 micro-batch memory, in one compiled step (gradient caching)."""
 
-import functools
-
 import jax
 from typing_extensions import Unpack
 
 from jaxaccum._cached._encode import encode_window
-from jaxaccum._cached._library import cached_spec, check_differentiable_args, window_of
+from jaxaccum._cached._library import (
+    WindowSpec,
+    cached_spec,
+    check_differentiable_args,
+    window_of,
+)
 from jaxaccum._cached._loss import loss_and_cotangents
 from jaxaccum._cached._pullback import pull_back
 from jaxaccum._cached._roles import bind_encode, bind_loss
+from jaxaccum._cached._sharded import DeviceRows, mesh_axes, per_device
 from jaxaccum._types import CachedKwargs, Fun, PyTree
 
 
@@ -36,14 +40,36 @@ def cached_value_and_grad(
     two forwards and one backward of ``encode`` per micro-batch; memory: one
     micro-batch's activations plus the outputs and their cotangent.
 
+    Data parallel: under plain ``jit`` on a batch sharded over devices it is
+    exact, but XLA all-reduces the replicated gradient sum in every pass-2
+    iteration. With ``mesh=`` and ``data_axis=`` (as
+    :func:`shard_value_and_grad` takes them) the window runs per device under
+    ``shard_map``: each device runs pass 1 over its rows' micro-batches, the
+    outputs are all-gathered once (one all-gather per output dtype) so the
+    loss and its gradient run on the whole batch, identically on every
+    device; each device slices its rows of the cotangent, runs pass 2 over
+    them, and one all-reduce after the loop sums the gradients (the loss's
+    direct part counted once) with the value and aux (one per dtype: an
+    integer aux adds one). Nothing collective runs inside either loop.
+    ``N`` micro-batches per device, each spread over all ``D`` devices.
+    The parameters must be replicated over the data axes: an FSDP layout
+    (parameters sharded over them) is refused for now.
+
     Random state: keys in ``key_argnums`` are split per micro-batch as
     :func:`value_and_grad` splits them (unchanged at ``N = 1``) and pass 2
     draws the same keys as pass 1, so its forward is pass 1's, bit for bit;
     per-example keys carried as a batch leaf make dropout the big batch's at
-    any ``N``. Mutable state is refused (there is no ``state_argnums``):
-    BatchNorm's statistics over a micro-batch are not the big batch's, so an
-    encoder with them cannot be exact; use LayerNorm or GroupNorm, or
-    BatchNorm's running averages.
+    any ``N``. With ``mesh=`` the encoder's keys are
+    folded with the device's index before the split (as
+    :func:`shard_value_and_grad` does), so devices draw independent dropout
+    for their rows and passes 1 and 2 still draw the same; they are not the
+    unsharded window's keys (random bits depend on the micro-batch's shape,
+    which a device holds a share of). ``loss`` gets the call's keys.
+
+    Mutable state is refused (there is no ``state_argnums``): BatchNorm's
+    statistics over a micro-batch are not the big batch's, so an encoder
+    with them cannot be exact; use LayerNorm or GroupNorm, or BatchNorm's
+    running averages.
 
     Args:
       encode: ``encode(*args)`` with the batch argument a micro-batch (and keys
@@ -58,7 +84,8 @@ def cached_value_and_grad(
       **options: the keyword options below.
 
     Keyword Args:
-      microbatch_size: examples per micro-batch, instead of ``N``.
+      microbatch_size: examples per micro-batch, instead of ``N`` (with a
+        mesh, over all ``D`` devices: a multiple of ``D``).
       argnums: positional argument(s) to differentiate (float leaves).
       batch_argnums: positional argument(s) holding the batch, split on axis 0
         as :func:`value_and_grad` splits it (strided).
@@ -71,6 +98,11 @@ def cached_value_and_grad(
         it until they meet each micro-batch's pullback; ``None`` keeps every
         dtype as it is.
       unroll: passed to both scans' ``jax.lax.scan``.
+      mesh: run the window per device on this mesh (a
+        ``jax.sharding.Mesh``); with only ``data_axis``, the one set with
+        ``jax.set_mesh``. Neither: one window, as ``jit`` shards it.
+      data_axis: the mesh axis (or axes) the batch is sharded over on axis
+        0 (``"data"`` when only ``mesh`` is given).
 
     Returns:
       A function of the arguments returning ``(value, grads)`` (``((value,
@@ -81,7 +113,9 @@ def cached_value_and_grad(
         (``reduction``, ``state_argnums``, ``pad``, ...: the message says why)
         or non-float ``argnums``.
       ValueError: for a batch ``N`` does not divide, or an output leaf without
-        the micro-batch's leading axis (named).
+        the micro-batch's leading axis (named); with a mesh, for a
+        ``data_axis`` not in it, a batch its devices do not split equally, or
+        a parameter sharded over the data axes (FSDP; named).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -102,39 +136,58 @@ def cached_value_and_grad(
       Gao, Zhang, Han and Callan, "Scaling Deep Contrastive Learning Batch
       Size under Memory Limited Setup", 2021.
     """
-    spec = cached_spec(num_microbatches, options)
+    window_options = {
+        name: value
+        for name, value in options.items()
+        if name not in ("mesh", "data_axis")
+    }
+    mesh = options.get("mesh")
+    data_axes = mesh_axes(mesh, options.get("data_axis"))
+    spec = cached_spec(num_microbatches, window_options, data_axes)
 
-    @functools.wraps(loss)
+    def window(args: tuple, window_spec: WindowSpec) -> PyTree:
+        return two_passes(encode, loss, args, window_spec)
+
+    if data_axes:
+        return per_device(window, spec, mesh)
+
+    # Not functools.wraps(loss): this function takes the batch where loss
+    # takes the encoder's outputs, so loss's signature would mislead.
     def cached(*args: PyTree) -> PyTree:
-        window = window_of(args, spec)
-        check_differentiable_args(args, spec.diff_nums)
-        diff = tuple(args[i] for i in spec.diff_nums)
-        encode_at = bind_encode(encode, args, spec)
-        outputs = encode_window(encode_at, diff, window, spec.unroll)
-        whole = loss_and_cotangents(
-            bind_loss(loss, args, spec),
-            diff,
-            outputs,
-            has_aux=spec.has_aux,
-            accum_dtype=spec.accum_dtype,
-        )
-        sums = pull_back(
-            encode_at,
-            diff,
-            window,
-            whole.cotangents,
-            accum_dtype=spec.accum_dtype,
-            unroll=spec.unroll,
-        )
-        grads = jax.tree.map(
-            lambda total, direct, param: (total + direct.astype(total.dtype)).astype(
-                jax.numpy.result_type(param)
-            ),
-            sums,
-            whole.diff_grads,
-            diff,
-        )
-        grads = grads[0] if isinstance(spec.argnums, int) else grads
-        return ((whole.value, whole.aux) if spec.has_aux else whole.value), grads
+        return window(args, spec)
 
     return cached
+
+
+def two_passes(encode: Fun, loss: Fun, args: tuple, spec: WindowSpec) -> PyTree:
+    """The window on the batch in ``args`` (the whole batch, or a device's
+    rows with ``spec.data_axes``): pass 1, the loss once, pass 2."""
+    rows = DeviceRows(spec.data_axes)
+    window = window_of(rows.encoder_args(args, spec), spec)
+    check_differentiable_args(args, spec.diff_nums)
+    params = tuple(args[i] for i in spec.diff_nums)
+    diff = rows.varying(params)
+    encode_at = bind_encode(encode, args, spec)
+    outputs = rows.gather(encode_window(encode_at, diff, window, spec.unroll))
+    whole = loss_and_cotangents(
+        bind_loss(loss, args, spec),
+        diff,
+        outputs,
+        has_aux=spec.has_aux,
+        accum_dtype=spec.accum_dtype,
+    )
+    sums = pull_back(
+        encode_at,
+        diff,
+        window,
+        rows.own_rows(whole.cotangents),
+        accum_dtype=spec.accum_dtype,
+        unroll=spec.unroll,
+        varying=rows.varying,
+    )
+    (value, aux), grads = rows.reduce(sums, whole)
+    grads = jax.tree.map(
+        lambda grad, param: grad.astype(jax.numpy.result_type(param)), grads, params
+    )
+    grads = grads[0] if isinstance(spec.argnums, int) else grads
+    return ((value, aux) if spec.has_aux else value), grads

@@ -1,6 +1,7 @@
 """What the cached window takes from the library's core, imported here once:
-the window spec and its validators, the strided split, the call checks and
-the accumulation dtypes. The other modules of the package import from here."""
+the window spec and its validators, the strided split, the call checks, the
+accumulation dtypes, and shard_value_and_grad's mesh, data axes and window
+per device. The other modules of the package import from here."""
 
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -8,16 +9,21 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxaccum._shard._shard import data_axes_of, per_device_options, resolve_mesh
+from jaxaccum._shard._shard_map import run_per_device
 from jaxaccum._types import CachedKwargs, PyTree
 from jaxaccum._window._accum_dtypes import accum_dtype_for, zeros_like_aval
 from jaxaccum._window._call_checks import check_arg_count, check_differentiable_args
+from jaxaccum._window._microbatch import fold_device_index
 from jaxaccum._window._shard_spec import SHARD_OPTIONS
 from jaxaccum._window._spec import WindowSpec
 from jaxaccum._window._split import (
     StridedBatch,
     batch_size_of,
     check_sharded_split,
+    explicit_sharding,
     resolve_num_microbatches,
+    spec_names,
     strided_batch,
     strided_view,
     take_microbatch,
@@ -30,6 +36,13 @@ __all__ = [
     "cached_spec",
     "check_arg_count",
     "check_differentiable_args",
+    "data_axes_of",
+    "explicit_sharding",
+    "fold_device_index",
+    "per_device_options",
+    "resolve_mesh",
+    "run_per_device",
+    "spec_names",
     "strided_view",
     "take_microbatch",
     "window_of",
@@ -67,14 +80,20 @@ REFUSED: dict[str, str] = {
 }
 
 
-def cached_spec(num_microbatches: int | None, options: Mapping[str, Any]) -> WindowSpec:
+def cached_spec(
+    num_microbatches: int | None,
+    options: Mapping[str, Any],
+    data_axes: tuple[str, ...] = (),
+) -> WindowSpec:
     """The window of a :func:`jaxaccum.cached_value_and_grad` call, validated
-    as every front end's is, the options above refused by name."""
+    as every front end's is, the options above refused by name; with
+    ``data_axes``, a window per device over them."""
     return WindowSpec.create(
         "cached_value_and_grad",
         num_microbatches,
         options,
         CachedKwargs,
+        fixed={"data_axes": data_axes} if data_axes else None,
         refused=REFUSED,
     )
 

@@ -1,6 +1,7 @@
 """Pass 2: each micro-batch's forward again, and the pullback of its slice of
 the whole-batch cotangent, summed over the micro-batches in one scan."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,6 +28,7 @@ def pull_back(
     *,
     accum_dtype: Any,
     unroll: int | bool,
+    varying: Callable[[tuple], tuple] = lambda sums: sums,
 ) -> tuple:
     """The sum over micro-batches of the encoder's pullbacks, in
     ``accum_dtype`` (at least), shaped like ``diff``.
@@ -34,7 +36,9 @@ def pull_back(
     Micro-batch ``k`` draws the keys pass 1 drew (the window's), so its
     forward is pass 1's; its cotangent rows ``k, k + N, ...`` are column
     ``k`` of the cotangents' strided view, as its examples are the batch's.
-    A cotangent meets the pullback cast to its output's dtype.
+    A cotangent meets the pullback cast to its output's dtype. ``varying``
+    types the zero sums as the gradients are typed per device (the window
+    per device's sums differ between devices).
     """
     num = window.num_microbatches
     views = [
@@ -63,11 +67,13 @@ def pull_back(
         sums = jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums, grads)
         return sums, None
 
-    zeros = jax.tree.map(
-        lambda x: zeros_like_aval(
-            jax.typeof(x), accum_dtype_for(jnp.result_type(x), accum_dtype)
-        ),
-        diff,
+    zeros = varying(
+        jax.tree.map(
+            lambda x: zeros_like_aval(
+                jax.typeof(x), accum_dtype_for(jnp.result_type(x), accum_dtype)
+            ),
+            diff,
+        )
     )
     sums, _ = lax.scan(body, zeros, (jnp.arange(num), window.keys), unroll=unroll)
     return sums

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from typing_extensions import Unpack
 
-from jaxaccum._shard._shard_map import Frozen, auto_model_axes, shard_mapped
+from jaxaccum._shard._shard_map import run_per_device
 from jaxaccum._types import Fun, PyTree, ShardKwargs
 from jaxaccum._value_and_grad import make_accumulated
-from jaxaccum._window import _batch_nodes, _split
+from jaxaccum._window import _split
 from jaxaccum._window._call_checks import check_arg_count
 from jaxaccum._window._fsdp import shard_plan
 from jaxaccum._window._spec import WindowSpec
@@ -34,7 +34,7 @@ from jaxaccum._window._spec import WindowSpec
 DataAxis = str | Sequence[str]
 
 
-def _data_axes(data_axis: DataAxis) -> tuple[str, ...]:
+def data_axes_of(data_axis: DataAxis) -> tuple[str, ...]:
     if isinstance(data_axis, str):
         return (data_axis,)
     axes = tuple(data_axis) if isinstance(data_axis, Sequence) else ()
@@ -46,7 +46,7 @@ def _data_axes(data_axis: DataAxis) -> tuple[str, ...]:
     return axes
 
 
-def _resolve_mesh(
+def resolve_mesh(
     mesh: Mesh | AbstractMesh | None,
     data_axes: tuple[str, ...],
     context_mesh: Callable[[], Any],
@@ -100,8 +100,8 @@ def shard_batch(
       >>> batch["x"].shape, batch["x"].sharding.spec
       ((8, 3), P('data',))
     """
-    data_axes = _data_axes(data_axis)
-    mesh = _resolve_mesh(mesh, data_axes, jax.sharding.get_mesh)
+    data_axes = data_axes_of(data_axis)
+    mesh = resolve_mesh(mesh, data_axes, jax.sharding.get_mesh)
     spec = PartitionSpec(data_axes[0] if len(data_axes) == 1 else data_axes)
     sharding = NamedSharding(mesh, spec)
     return jax.tree.map(
@@ -197,49 +197,33 @@ def shard_value_and_grad(
         num_microbatches,
         keywords,
         ShardKwargs,
-        fixed={"data_axes": _data_axes(data_axis)},
+        fixed={"data_axes": data_axes_of(data_axis)},
         refused=_NOT_SHARDED,
-    )
-    mapped_nums = tuple(
-        sorted(options.diff_nums + options.batch_nums + options.key_nums)
     )
 
     @functools.wraps(fun)
     def accumulated(*args: PyTree, **kwargs: PyTree) -> PyTree:
         check_arg_count(args, options)
-        device_mesh = _resolve_mesh(
+        device_mesh = resolve_mesh(
             mesh, options.data_axes, jax.sharding.get_abstract_mesh
         )
         diff_args = tuple(args[num] for num in options.diff_nums)
         batch_size = _split.batch_size_of(
             [(f"args[{i}]", args[i]) for i in options.batch_nums]
         )
-        call_options = _per_device_options(options, batch_size, device_mesh).resharded(
+        call_options = per_device_options(options, batch_size, device_mesh).resharded(
             param_specs=_param_specs_of(diff_args, options.data_axes)
         )
-        per_device = make_accumulated(fun, call_options)
-        frozen = Frozen.of(args, kwargs, mapped_nums)
-
-        def on_device(mapped: tuple, frozen_arrays: list) -> PyTree:
-            call_args, call_kwargs = frozen.rebuild(frozen_arrays)
-            for num, value in zip(mapped_nums, mapped, strict=True):
-                # A device's rows, their registered nodes labelled so.
-                is_batch = num in options.batch_nums
-                call_args[num] = (
-                    _batch_nodes.relabelled(value, batch_size) if is_batch else value
-                )
-            return per_device(*call_args, **call_kwargs)
-
         shards = shard_plan(call_options)
         assert shards is not None  # data_axes is never empty here
-        grad_specs = shards.data_specs(diff_args)
-        step = shard_mapped(on_device, mapped_nums, options, device_mesh, grad_specs)
-        step = auto_model_axes(step, diff_args, options, device_mesh)
-        # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
-        # resharded (an eager shard_map refuses them); in the caller's jit,
-        # this jit is inlined.
-        mapped = tuple(args[num] for num in mapped_nums)
-        return jax.jit(step)(mapped, frozen.arrays)
+        return run_per_device(
+            make_accumulated(fun, call_options),
+            args,
+            kwargs,
+            options,
+            device_mesh,
+            shards.data_specs(diff_args),
+        )
 
     return accumulated
 
@@ -271,18 +255,24 @@ def _param_specs_of(diff_args: tuple, data_axes: tuple[str, ...]) -> tuple:
     return tuple(specs)
 
 
-def _per_device_options(options: WindowSpec, batch_size: int, mesh: Any) -> WindowSpec:
-    """The options of one device's window: its share of the micro-batch size."""
+def per_device_options(
+    options: WindowSpec, batch_size: int, mesh: Any, *, can_pad: bool = True
+) -> WindowSpec:
+    """The options of one device's window: its share of the micro-batch size
+    (``can_pad``: whether the front end takes ``pad``, for the hint)."""
     num_devices = math.prod(mesh.shape[axis] for axis in options.data_axes)
-    local_microbatch_size = _local_split(batch_size, num_devices, options)
+    local_microbatch_size = _local_split(batch_size, num_devices, options, can_pad)
     if local_microbatch_size is None:
         return options
     return dataclasses.replace(options, microbatch_size=local_microbatch_size)
 
 
-def _local_split(batch_size: int, num_devices: int, options: WindowSpec) -> int | None:
+def _local_split(
+    batch_size: int, num_devices: int, options: WindowSpec, can_pad: bool = True
+) -> int | None:
     """Checks the per-device split; returns the per-device micro-batch size
     (None when the split is given as ``num_microbatches``)."""
+    or_pad = ", or pad=True (with reduction='weighted' or 'sum')" if can_pad else ""
     num_microbatches, microbatch_size = (
         options.num_microbatches,
         options.microbatch_size,
@@ -309,8 +299,7 @@ def _local_split(batch_size: int, num_devices: int, options: WindowSpec) -> int 
                 f"device, which microbatch_size={microbatch_size} "
                 f"({microbatch_size // num_devices} per device) does not divide. "
                 "Use a micro-batch size that divides the batch size by a "
-                "multiple of the device count, or pad=True (with "
-                "reduction='weighted' or 'sum')."
+                f"multiple of the device count{or_pad}."
             )
         return microbatch_size // num_devices
     assert num_microbatches is not None  # WindowSpec sets exactly one
@@ -319,8 +308,7 @@ def _local_split(batch_size: int, num_devices: int, options: WindowSpec) -> int 
             f"Batch size {batch_size} over {where} is {local_size} rows per "
             f"device, which num_microbatches={num_microbatches} does not divide: "
             "each device splits its own rows into the micro-batches. Use "
-            f"num_microbatches from {_split.divisors(local_size)}, a batch size "
-            f"that is a multiple of {num_devices * num_microbatches}, or "
-            "pad=True (with reduction='weighted' or 'sum')."
+            f"num_microbatches from {_split.divisors(local_size)}, or a batch "
+            f"size that is a multiple of {num_devices * num_microbatches}{or_pad}."
         )
     return None

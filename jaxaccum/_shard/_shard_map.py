@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccum._types import Fun, PyTree
-from jaxaccum._window import _split
+from jaxaccum._window import _batch_nodes, _split
 from jaxaccum._window._spec import WindowSpec
 
 
@@ -48,6 +48,48 @@ class Frozen(NamedTuple):
         ]
         positional, kwargs = jax.tree.unflatten(self.treedef, leaves)
         return list(positional), kwargs
+
+
+def run_per_device(
+    per_device: Fun,
+    args: tuple,
+    kwargs: dict,
+    options: WindowSpec,
+    mesh: Any,
+    grad_specs: tuple,
+) -> PyTree:
+    """``per_device(*args, **kwargs)`` run on each device of ``mesh`` under
+    ``shard_map``, manual over ``options.data_axes``: the batch arguments are
+    the device's rows (their registered nodes labelled so), the parameters
+    sharded as ``grad_specs`` says (their gradients too), the rest replicated.
+    The one way a window runs per device (shard_value_and_grad's, and
+    cached_value_and_grad's with a mesh)."""
+    mapped_nums = tuple(
+        sorted(options.diff_nums + options.batch_nums + options.key_nums)
+    )
+    batch_size = _split.batch_size_of(
+        [(f"args[{i}]", args[i]) for i in options.batch_nums]
+    )
+    frozen = Frozen.of(args, kwargs, mapped_nums)
+
+    def on_device(mapped: tuple, frozen_arrays: list) -> PyTree:
+        call_args, call_kwargs = frozen.rebuild(frozen_arrays)
+        for num, value in zip(mapped_nums, mapped, strict=True):
+            # A device's rows, their registered nodes labelled so.
+            is_batch = num in options.batch_nums
+            call_args[num] = (
+                _batch_nodes.relabelled(value, batch_size) if is_batch else value
+            )
+        return per_device(*call_args, **call_kwargs)
+
+    diff_args = tuple(args[num] for num in options.diff_nums)
+    step = shard_mapped(on_device, mapped_nums, options, mesh, grad_specs)
+    step = auto_model_axes(step, diff_args, options, mesh)
+    # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
+    # resharded (an eager shard_map refuses them); in the caller's jit, this
+    # jit is inlined.
+    mapped = tuple(args[num] for num in mapped_nums)
+    return jax.jit(step)(mapped, frozen.arrays)
 
 
 def shard_mapped(

@@ -1,0 +1,72 @@
+"""cached_value_and_grad on a batch sharded over devices: under plain jit,
+and per device with mesh= and data_axis= (tests/cached_checks.py, run on 8
+host devices in its own process), and what the window per device refuses."""
+
+import jax
+import pytest
+from cached_checks import CHECKS
+from cached_models import clip_loss, encode, towers
+from check_scripts import run_script, selected_checks
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+
+PER_DEVICE = [check for check in CHECKS if check.startswith("mesh_")]
+PLAIN_JIT = [check for check in CHECKS if check not in PER_DEVICE]
+
+
+@pytest.fixture(scope="module")
+def sharded_results(request) -> dict:
+    checks = selected_checks(request)
+    return run_script("cached_checks.py", num_devices=8, timeout=600, checks=checks)
+
+
+@pytest.mark.parametrize("check", PLAIN_JIT)
+def test_data_sharded_batch_under_plain_jit(sharded_results, check):
+    """A batch sharded over 8 devices (Auto and Explicit meshes), plain jit:
+    the big batch's value and gradient (tests/cached_checks.py)."""
+    assert sharded_results[check]["ok"], sharded_results[check]["detail"]
+
+
+@pytest.mark.parametrize("check", PER_DEVICE)
+def test_window_per_device_is_exact_with_one_reduction_after_the_loops(
+    sharded_results, check
+):
+    """mesh= and data_axis= over 8 devices (Auto, Explicit, a 2 x 4 mesh), N
+    = 1, 2, 4: the big batch's value and gradient with a loss that sees the
+    rows' order, and in the compiled program no collective inside a loop,
+    one all-gather of the outputs and one all-reduce of the gradients;
+    key_argnums' keys folded with the device's index, pass 2 drawing pass
+    1's masks (mesh_keys_n2)."""
+    assert sharded_results[check]["ok"], sharded_results[check]["detail"]
+
+
+def test_window_per_device_refuses_what_it_cannot_run():
+    """A data axis not in the mesh, no mesh, a batch the devices' micro-batches
+    do not split, FSDP parameters and the sharding modes: each refused, named."""
+    params, batch = towers()
+    mesh = jax.make_mesh((1,), ("data",))
+
+    def cached(*, num=2, **options):
+        return jaxaccum.cached_value_and_grad(encode, clip_loss, num, **options)
+
+    with pytest.raises(ValueError, match=r"data_axis \['batch'\] not in the mesh"):
+        cached(mesh=mesh, data_axis="batch")
+    with pytest.raises(TypeError, match="data_axis must be a mesh axis name"):
+        cached(mesh=mesh, data_axis=3)
+    with pytest.raises(ValueError, match="No mesh: pass mesh="):
+        cached(data_axis="data")(params, batch)
+    with pytest.raises(ValueError, match="num_microbatches=3 does not divide") as info:
+        cached(num=3, mesh=mesh)(params, batch)
+    assert "pad=True" not in str(info.value), info.value  # pad is refused here
+    with pytest.raises(TypeError, match="does not take param_gather"):
+        cached(mesh=mesh, param_gather="window")
+    first = jax.device_put(params["image"][0], NamedSharding(mesh, P("data")))
+    fsdp = {**params, "image": (first, params["image"][1])}
+    with pytest.raises(
+        ValueError,
+        match=r"args\[0\]\['image'\]\[0\] of shape \(6, 8\) is sharded "
+        r"P\('data', None\) over the data axes \('data',\) \(FSDP\)",
+    ):
+        cached(mesh=mesh)(fsdp, batch)
