@@ -365,3 +365,29 @@ def test_temporaries_at_b8192_are_at_most_an_eighth_of_the_formulas():
 def test_bad_inputs_are_refused_naming_the_argument_and_the_fix(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call(jaxaccum.losses)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+def test_inside_shard_map_on_values_that_vary_between_devices(kind):
+    """Under ``shard_map`` (as ``cached_value_and_grad(mesh=...)`` runs the
+    loss) the inputs are typed as varying over the mesh's axis; the block
+    scans' carries start typed like them (a constant start failed: carry
+    types differ), and the result is the one outside ``shard_map``."""
+    from jax.sharding import PartitionSpec as P
+
+    x, y = _embeddings(24, 8, seed=5)
+    scale, bias = np.float32(SETTINGS[kind][0]), np.float32(SETTINGS[kind][1])
+    mesh = jax.make_mesh((1,), ("data",))
+
+    def per_device(x, y, scale, bias):
+        x, y, scale, bias = jax.lax.pcast((x, y, scale, bias), "data", to="varying")
+        out = _blockwise(kind, x, y, scale, bias, 7, jit=False)
+        return jax.tree.map(lambda v: jax.lax.psum(v, "data"), out)
+
+    step = jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P())
+    chex.assert_trees_all_close(
+        jax.jit(step)(x, y, scale, bias),
+        _blockwise(kind, x, y, scale, bias, 7),
+        rtol=1e-6,
+        atol=1e-7,
+    )

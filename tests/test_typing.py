@@ -294,6 +294,8 @@ def _valid_values(key: str, hint) -> list:
             "key_argnums": (),
             "state_argnums": (),
             "gather_dtype": jnp.bfloat16,
+            "mesh": None,  # the default: the one set with jax.set_mesh, or none
+            "data_axis": None,
         }.get(key, False)  # has_aux, pad, masked, loss_scale: their default
     ]
 

@@ -62,6 +62,16 @@ def _pull_back(
     return dx_block, dy, jnp.sum(grad_logits * raw)
 
 
+def _zero(accum: jnp.dtype, *arrays: Array) -> Array:
+    """A scalar 0 in ``accum`` typed as varying wherever any of ``arrays``
+    is (under ``shard_map``, a scan's carry must start as its body leaves
+    it: a constant start fails on a device's varying values)."""
+    return sum(
+        (jnp.zeros_like(a, dtype=accum, shape=()) for a in arrays),
+        start=jnp.zeros((), accum),
+    )
+
+
 class _SoftmaxSaved(NamedTuple):
     x: Array
     y: Array
@@ -94,10 +104,11 @@ def _softmax_forward(
         row_total = row_total + jnp.sum(jnp.where(valid, row_lse, 0))
         return (new_max, col_sum, row_total), row_lse
 
+    zero = _zero(accum, x, y, scale)
     start = (
-        jnp.full(batch, -jnp.inf, accum),
-        jnp.zeros(batch, accum),
-        jnp.zeros((), accum),
+        jnp.full(batch, -jnp.inf, accum) + zero,
+        jnp.zeros(batch, accum) + zero,
+        zero,
     )
     (col_max, col_sum, row_total), row_lse = jax.lax.scan(
         body, start, (blocks.x, blocks.valid)
@@ -140,7 +151,8 @@ def _softmax_backward(
         )
         return (dy + dy_block, dscale + dscale_block), dx_block
 
-    start = (jnp.zeros(y.shape, accum), jnp.zeros((), accum))
+    zero = _zero(accum, x, y, scale, row_lse, col_lse, cotangent)
+    start = (jnp.zeros(y.shape, accum) + zero, zero)
     (dy, dscale), dx_blocks = jax.lax.scan(
         body, start, (blocks.x, blocks.valid, row_lse)
     )
@@ -183,7 +195,7 @@ def sigmoid_contrastive(
         terms = -jax.nn.log_sigmoid(labels * logits)
         return total + jnp.sum(jnp.where(valid[:, None], terms, 0)), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), accum), tuple(blocks))
+    total, _ = jax.lax.scan(body, _zero(accum, x, y, scale, bias), tuple(blocks))
     return total / x.shape[0]
 
 
@@ -214,7 +226,8 @@ def _sigmoid_backward(
         carry = (dy + dy_block, dscale + dscale_block, dbias + jnp.sum(grad_logits))
         return carry, dx_block
 
-    start = (jnp.zeros(y.shape, accum), jnp.zeros((), accum), jnp.zeros((), accum))
+    zero = _zero(accum, x, y, scale, bias, cotangent)
+    start = (jnp.zeros(y.shape, accum) + zero, zero, zero)
     (dy, dscale, dbias), dx_blocks = jax.lax.scan(body, start, tuple(blocks))
     return (
         _unblock(dx_blocks, batch).astype(x.dtype),
