@@ -53,7 +53,10 @@ def cached_value_and_grad(
     integer aux adds one). Nothing collective runs inside either loop.
     ``N`` micro-batches per device, each spread over all ``D`` devices.
     The parameters must be replicated over the data axes: an FSDP layout
-    (parameters sharded over them) is refused for now.
+    (parameters sharded over them) is refused for now. Per device, ``loss``
+    sees values typed as varying over the data axes (``shard_map``'s rule): a
+    ``lax.scan`` in it starts its carry from its inputs (``jnp.zeros_like``),
+    not from constants, as :mod:`jaxaccum.losses` does.
 
     Random state: keys in ``key_argnums`` are split per micro-batch as
     :func:`value_and_grad` splits them (unchanged at ``N = 1``) and pass 2
