@@ -22,7 +22,7 @@ from models import (
     mlp_loss_with_aux,
     mlp_params,
 )
-from tolerances import ATOL, RTOL
+from tolerances import ATOL, ATOL64, RTOL, RTOL64
 
 import jaxaccum
 from jaxaccum.testing import assert_grads_match_full_batch
@@ -204,6 +204,32 @@ def test_remat_and_unroll_do_not_change_the_result(mlp):
     ):
         other = jax.jit(jaxaccum.value_and_grad(mlp_loss, 4, **kwargs))(params, batch)
         chex.assert_trees_all_close(other, plain, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "remat",
+    [
+        True,
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.everything_saveable,
+    ],
+    ids=["true", "dots_saveable", "everything_saveable"],
+)
+def test_remat_policy_with_complex_parameters_is_the_big_batch(remat):
+    """A policy that saves complex values failed inside JAX (its checkpoint
+    rounds saved values with reduce_precision, which takes no complex dtype):
+    complex values are recomputed, and the window is the big batch's, in
+    float64 within the derived float64 bound (tests/tolerances.py)."""
+
+    def loss(w, x):
+        return jnp.mean(jnp.abs(jnp.tanh(x @ w)) ** 2)
+
+    with jax.enable_x64(True):
+        w = (jnp.arange(6.0).reshape(3, 2) + 1j * jnp.ones((3, 2))) / 7
+        x = jnp.linspace(-1, 1, 24).reshape(8, 3).astype(jnp.complex128)
+        big = jax.value_and_grad(loss)(w, x)
+        got = jax.jit(jaxaccum.value_and_grad(loss, 4, remat=remat))(w, x)
+        chex.assert_trees_all_close(got, big, rtol=RTOL64, atol=ATOL64)
 
 
 def test_remat_puts_checkpoint_in_the_program(mlp):

@@ -17,6 +17,7 @@ from jaxaccum._window._accum_dtypes import accum_dtype_for, sum_dtype
 from jaxaccum._window._aux_plan import AuxPlan
 from jaxaccum._window._micro_result import aux_pair, weighted_pair
 from jaxaccum._window._noise_scale import unscaled_squared_norm
+from jaxaccum._window._remat import checkpoint_policy, real_only
 
 
 class LossOut(NamedTuple):
@@ -125,39 +126,14 @@ _RECOMPUTED = (
 )
 
 
-def _complex(prim: Any, avals: tuple, params: dict) -> bool:
-    """Whether an equation reads or writes a complex value."""
-    try:
-        out, _ = prim.abstract_eval(*avals, **params)
-    except NotImplementedError:  # no abstract rule: its inputs only
-        out = ()
-    outs = out if prim.multiple_results else [out]
-    return any(
-        jnp.issubdtype(aval.dtype, jnp.complexfloating)
-        for aval in (*avals, *outs)
-        if hasattr(aval, "dtype")
-    )
-
-
-def _real_only(policy: Callable[..., bool]) -> Callable[..., bool]:
-    """``policy``, but a complex value is recomputed, never saved: JAX's
-    checkpoint rounds what it saves with ``reduce_precision``, which takes
-    no complex dtype (complex parameters or activations failed there)."""
-
-    def real_only(prim: Any, *avals: PyTree, **params: Any) -> bool:
-        return not _complex(prim, avals, params) and policy(prim, *avals, **params)
-
-    return real_only
-
-
 def _stage_policy(remat: Remat) -> Callable[..., bool]:
     """The stage's checkpoint policy: everything saveable except the data
     movement of :data:`_RECOMPUTED` (so the tick's parameters are sliced
-    again in the backward pass, not saved per tick) and complex values (see
-    :func:`_real_only`); with ``remat``, only what its policy saves
-    (nothing, for ``True``)."""
+    again in the backward pass, not saved per tick) and complex values
+    (``_window._remat.real_only``); with ``remat``, only what its policy
+    saves (nothing, for ``True``)."""
 
-    @_real_only
+    @real_only
     def saveable(prim: Any, *_: PyTree, **__: Any) -> bool:
         return prim not in _RECOMPUTED
 
@@ -255,7 +231,7 @@ def make_calls(
 
     bare = jax.checkpoint(stage, policy=_stage_policy(options.remat))
     if options.remat:
-        policy = None if isinstance(options.remat, bool) else _real_only(options.remat)
+        policy = checkpoint_policy(options.remat)
         embed = jax.checkpoint(embed, policy=policy)
         loss = jax.checkpoint(loss, policy=policy)
     gated = _gated_stage(bare, options.accum_dtype)

@@ -20,6 +20,7 @@ from jaxaccum._window._micro_result import (
     share_dtype,
     weighted_pair,
 )
+from jaxaccum._window._remat import checkpoint_policy
 from jaxaccum._window._spec import WindowSpec
 
 
@@ -109,8 +110,7 @@ def micro_value_and_grad(
         return differentiated, (loss, share, MicroOut(weight, aux, tuple(new_state)))
 
     if options.remat:
-        policy = None if isinstance(options.remat, bool) else options.remat
-        micro_loss = jax.checkpoint(micro_loss, policy=policy)
+        micro_loss = jax.checkpoint(micro_loss, policy=checkpoint_policy(options.remat))
     value_and_grad_fun = jax.value_and_grad(micro_loss, has_aux=True)
 
     def micro(diff, batch, keys, state, example_mask, num_means) -> MicroResult:
