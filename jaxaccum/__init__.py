@@ -6,8 +6,9 @@ their concept. Three sub-namespaces: ``jaxaccum.growth`` (batch-size
 controllers, the learning-rate rule, step cost, noise-scale averages),
 ``jaxaccum.losses`` (contrastive losses that never hold the B x B logits) and
 ``jaxaccum.testing`` (chex assertions, diagnosis, the compiled program's
-collectives); the last two load on first use, so that ``import jaxaccum`` does
-not load chex. ``jaxaccum.flax`` and ``jaxaccum.equinox`` load when imported.
+collectives); the last two load on first use, so that ``import jaxaccum``
+stays what a training step needs (``testing`` loads chex). ``jaxaccum.flax``
+and ``jaxaccum.equinox`` load when imported.
 """
 
 import importlib

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tolerances import ATOL64, RTOL64
 
@@ -132,6 +132,7 @@ def problem(seed, num, rows):
     rows=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
+@example(num=12, rows=1, seed=0)  # the issue's N = 12, whatever is drawn
 def test_float64_window_equals_the_big_batch(front_end, num, reduction, rows, seed):
     with jax.enable_x64(True):
         w, batch = problem(seed, num, rows)
@@ -141,3 +142,18 @@ def test_float64_window_equals_the_big_batch(front_end, num, reduction, rows, se
         chex.assert_trees_all_close(grads, expected, rtol=RTOL64, atol=ATOL64)
         if value is not None:
             chex.assert_trees_all_close(value, expected_value, rtol=RTOL64, atol=ATOL64)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "weighted"])
+def test_float64_with_a_float64_accumulator(reduction):
+    """Issue 62's case also held with ``accum_dtype=jnp.float64``: the share,
+    not the sum, was rounded to float32."""
+    with jax.enable_x64(True):
+        w, batch = problem(7, 6, 2)
+        step = jaxaccum.value_and_grad(
+            loss_of(reduction), 6, reduction=reduction, accum_dtype=jnp.float64
+        )
+        value, grads = jax.jit(step)(w, batch)
+        expected_value, expected = big_batch(reduction, w, batch)
+        chex.assert_trees_all_close(grads, expected, rtol=RTOL64, atol=ATOL64)
+        chex.assert_trees_all_close(value, expected_value, rtol=RTOL64, atol=ATOL64)

@@ -2,6 +2,7 @@
 micro-batch memory, in one compiled step (gradient caching)."""
 
 import jax
+import jax.numpy as jnp
 from typing_extensions import Unpack
 
 from jaxaccum._cached._encode import encode_window
@@ -190,7 +191,7 @@ def two_passes(encode: Fun, loss: Fun, args: tuple, spec: WindowSpec) -> PyTree:
     )
     (value, aux), grads = rows.reduce(sums, whole)
     grads = jax.tree.map(
-        lambda grad, param: grad.astype(jax.numpy.result_type(param)), grads, params
+        lambda grad, param: grad.astype(jnp.result_type(param)), grads, params
     )
     grads = grads[0] if isinstance(spec.argnums, int) else grads
     return ((value, aux) if spec.has_aux else value), grads

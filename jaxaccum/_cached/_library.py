@@ -33,6 +33,7 @@ __all__ = [
     "CachedWindow",
     "WindowSpec",
     "accum_dtype_for",
+    "batch_size_of",
     "cached_spec",
     "check_arg_count",
     "check_differentiable_args",
