@@ -141,16 +141,7 @@ def plan_pipeline(
     candidates = _check_candidates(candidates, num_stages, repeats, configs)
     params, rows = unpack_params(params), _rows(microbatch)  # before any compile
     functions = (stage_fn, loss_fn, embed_fn)
-    runs_first = next(
-        kind
-        for kind, _ in configs
-        if _refusal(kind, num_stages, candidates[0], repeats) is None
-    )
-    first = dataclasses.replace(
-        base,
-        num_microbatches=candidates[0],
-        layout=dataclasses.replace(layout, schedule=runs_first),
-    )
+    first = _first_window(base, configs, num_stages, candidates[0])
     recompute, measured = _recompute(functions, first, mesh, params, microbatch, key)
 
     def efficiency_of(num: int, config: tuple) -> float | None:
@@ -283,6 +274,22 @@ def _largest_fitting(count: int, fits: Callable[[int], bool]) -> int | None:
         else:
             high = middle
     return low
+
+
+def _first_window(
+    base: PipelineWindow, configs: list[tuple], num_stages: int, num: int
+) -> PipelineWindow:
+    """The window of ``num`` micro-batches whose stage cost is measured: the
+    first planned schedule that runs it (circular GPipe does not below S)."""
+    repeats = base.layout.repeats
+    runs_first = next(
+        kind for kind, _ in configs if _refusal(kind, num_stages, num, repeats) is None
+    )
+    return dataclasses.replace(
+        base,
+        num_microbatches=num,
+        layout=dataclasses.replace(base.layout, schedule=runs_first),
+    )
 
 
 def _refusal(kind: str, num_stages: int, num: int, repeats: int) -> Exception | None:
