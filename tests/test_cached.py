@@ -186,6 +186,81 @@ def test_refusals_name_the_leaf_the_sizes_and_the_fix():
         jaxaccum.cached_value_and_grad(scale_encode, clip_loss, 1)(params, batch)
 
 
+def test_a_batch_n_does_not_divide_is_not_told_to_pad():
+    """The hint names only options cached_value_and_grad takes (issue 66, 8):
+    it refuses pad= and reduction= by name."""
+    params, batch = towers()
+    for size in ({"num_microbatches": 3}, {"microbatch_size": 3}):
+        step = jaxaccum.cached_value_and_grad(
+            encode,
+            clip_loss,
+            size.get("num_microbatches"),
+            **({} if "num_microbatches" in size else size),
+        )
+        with pytest.raises(ValueError, match="not divisible") as caught:
+            step(params, batch)
+        assert "pad" not in str(caught.value), str(caught.value)
+        assert "reduction" not in str(caught.value), str(caught.value)
+    with pytest.raises(ValueError, match="not divisible") as caught:
+        jaxaccum.split_batch(jnp.arange(6), 4)  # split_batch has no pad either
+    assert "pad=True" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(jnp.int32, ()), (jnp.complex64, ()), (jnp.float32, (2,))],
+    ids=["integer", "complex", "vector"],
+)
+@pytest.mark.parametrize("front_end", ["cached", "core"])
+def test_a_loss_that_is_not_a_real_scalar_is_refused(front_end, dtype, shape):
+    """An integer loss has zero gradients and a complex one its real part's:
+    cached_value_and_grad took both silently (issue 66, 2); it refuses them
+    with the core's message, as jax.value_and_grad does."""
+    params, batch = towers()
+
+    def bad_loss(params, outputs):
+        value = clip_loss(params, outputs)
+        return jnp.broadcast_to(value, shape).astype(dtype)
+
+    if front_end == "cached":
+        step = jaxaccum.cached_value_and_grad(encode, bad_loss, 2)
+        args = (params, batch)
+    else:
+        step = jaxaccum.value_and_grad(
+            lambda w, x: jnp.broadcast_to(jnp.mean(x @ w), shape).astype(dtype), 2
+        )
+        args = (jnp.ones(3), jnp.ones((4, 3)))
+    with pytest.raises(TypeError, match="must return a real floating-point scalar"):
+        step(*args)
+
+
+@pytest.mark.parametrize("front_end", ["cached", "core"])
+@pytest.mark.parametrize("returned", ["scalar", "triple"])
+def test_has_aux_without_a_pair_gets_the_cores_message(front_end, returned):
+    """has_aux=True with a bare scalar or a 3-tuple gave Python's unpacking
+    errors (issue 66, 7); every front end says what to return."""
+    params, batch = towers()
+
+    def loss(params, outputs):
+        value = outputs if params is None else clip_loss(params, outputs)
+        return value if returned == "scalar" else (value, {}, {})
+
+    if front_end == "cached":
+        step = jaxaccum.cached_value_and_grad(encode, loss, 2, has_aux=True)
+        name = "loss"
+    else:
+        step = jaxaccum.value_and_grad(
+            lambda w, x: loss(None, jnp.mean(x @ w)), 2, has_aux=True
+        )
+        params, batch = jnp.ones(3), jnp.ones((4, 3))
+        name = "fun"
+    wanted = f"With has_aux=True, {name} must return a pair \\(loss, aux\\); got "
+    with pytest.raises(TypeError, match=wanted) as caught:
+        step(params, batch)
+    expected = "an array of shape ()" if returned == "scalar" else "a tuple of 3"
+    assert expected in str(caught.value)
+
+
 def test_mutable_state_is_refused_with_why():
     params, batch = towers()
 

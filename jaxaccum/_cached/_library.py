@@ -14,6 +14,7 @@ from jaxaccum._shard._shard_map import run_per_device
 from jaxaccum._types import CachedKwargs, PyTree
 from jaxaccum._window._accum_dtypes import accum_dtype_for, zeros_like_aval
 from jaxaccum._window._call_checks import check_arg_count, check_differentiable_args
+from jaxaccum._window._micro_result import aux_pair, checked_loss
 from jaxaccum._window._microbatch import fold_device_index
 from jaxaccum._window._shard_spec import SHARD_OPTIONS
 from jaxaccum._window._spec import WindowSpec
@@ -33,9 +34,11 @@ __all__ = [
     "CachedWindow",
     "WindowSpec",
     "accum_dtype_for",
+    "aux_pair",
     "batch_size_of",
     "cached_spec",
     "check_arg_count",
+    "checked_loss",
     "check_differentiable_args",
     "data_axes_of",
     "explicit_sharding",
@@ -131,7 +134,10 @@ def window_of(args: tuple, spec: WindowSpec) -> CachedWindow:
     check_arg_count(args, spec)
     labelled = [(f"args[{i}]", args[i]) for i in spec.batch_nums]
     split = resolve_num_microbatches(
-        batch_size_of(labelled), spec.num_microbatches, spec.microbatch_size
+        batch_size_of(labelled),
+        spec.num_microbatches,
+        spec.microbatch_size,
+        can_pad=False,
     )
     num = split.num_microbatches
     if num > 1:

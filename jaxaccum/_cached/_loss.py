@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum._cached._library import accum_dtype_for
+from jaxaccum._cached._library import accum_dtype_for, aux_pair, checked_loss
 from jaxaccum._cached._roles import WholeLoss
 from jaxaccum._types import PyTree
 
@@ -41,14 +41,8 @@ def loss_and_cotangents(
 
     def scalar_loss(diff: tuple, outputs: PyTree) -> tuple[jax.Array, PyTree]:
         out = loss_at(diff, outputs)
-        value, aux = out if has_aux else (out, None)
-        if not hasattr(value, "dtype") or jnp.shape(value) != ():
-            got = jax.typeof(value) if hasattr(value, "dtype") else type(value)
-            raise TypeError(
-                "loss must return a scalar (a pair (value, aux) with "
-                f"has_aux=True), got {got}."
-            )
-        return value, aux
+        value, aux = aux_pair(out, "loss") if has_aux else (out, None)
+        return jnp.asarray(checked_loss(value, "loss")), aux
 
     wide = jax.tree.map(
         lambda x: x.astype(accum_dtype_for(x.dtype, accum_dtype)), outputs

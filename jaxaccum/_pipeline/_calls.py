@@ -15,7 +15,7 @@ from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._types import Fun, PyTree, Remat
 from jaxaccum._window._accum_dtypes import accum_dtype_for, sum_dtype
 from jaxaccum._window._aux_plan import AuxPlan
-from jaxaccum._window._micro_result import aux_pair, weighted_pair
+from jaxaccum._window._micro_result import aux_pair, checked_loss, weighted_pair
 from jaxaccum._window._noise_scale import unscaled_squared_norm
 from jaxaccum._window._remat import checkpoint_policy, real_only
 
@@ -95,7 +95,7 @@ def _as_loss_out(out: PyTree, options: PipelineWindow) -> LossOut:
     if options.reduction == "weighted":
         loss, weight = weighted_pair(loss, "loss_fn")
         weight = jnp.asarray(weight)
-    return LossOut(jnp.asarray(loss), weight, aux)
+    return LossOut(jnp.asarray(checked_loss(loss, "loss_fn")), weight, aux)
 
 
 def summed(out: LossOut, options: PipelineWindow) -> LossOut:

@@ -70,13 +70,47 @@ def aux_pair(out: PyTree, fun: str) -> tuple[Any, Any]:
     Python number a weakly typed scalar), so every front end reduces the
     same aux."""
     if not (isinstance(out, tuple | list) and len(out) == 2):
-        shape = f" of shape {jnp.shape(out)}" if hasattr(out, "shape") else ""
+        if hasattr(out, "shape"):
+            got = f"an array of shape {jnp.shape(out)}"
+        elif isinstance(out, tuple | list):
+            got = f"a {type(out).__name__} of {len(out)}"
+        else:
+            got = f"a {type(out).__name__}"
         raise TypeError(
-            f"With has_aux=True, {fun} must return a pair (loss, aux); got a "
-            f"{type(out).__name__}{shape}. Return (loss, {{}}) for no aux, or "
-            "build without has_aux."
+            f"With has_aux=True, {fun} must return a pair (loss, aux); got "
+            f"{got}. Return (loss, {{}}) for no aux, or build without has_aux."
         )
     return out[0], jax.tree.map(jnp.asarray, out[1])
+
+
+def checked_loss(loss: Any, fun: str) -> Any:
+    """``loss`` as a function (named ``fun`` in messages) must return it to
+    be differentiated: a real floating-point scalar (a Python number
+    included), as ``jax.value_and_grad`` requires. An integer loss would
+    have zero gradients and a complex one its real part's, silently.
+
+    Raises:
+      TypeError: for anything else, naming its type (or shape and dtype).
+    """
+    if isinstance(loss, bool) or not (
+        hasattr(loss, "dtype") or isinstance(loss, float | int)
+    ):
+        raise TypeError(
+            f"{fun} must return a scalar loss (a pair (loss, aux) with "
+            "has_aux=True; (loss_sum, weight) with reduction='weighted'); "
+            f"got a {type(loss).__name__}."
+        )
+    shape, dtype = jnp.shape(loss), jnp.result_type(loss)
+    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{fun} must return a real floating-point scalar loss, got shape "
+            f"{shape} and dtype {dtype}: gradients need real-valued scalar "
+            "outputs, as jax.value_and_grad's do. Reduce the loss to a scalar "
+            "(jnp.mean, jnp.sum); cast an integer loss to a float dtype; for "
+            "a complex one, differentiate its real part or absolute value, or "
+            "use jax.vjp directly."
+        )
+    return loss
 
 
 def share_dtype(loss: Any) -> Any:

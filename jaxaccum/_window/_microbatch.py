@@ -16,6 +16,7 @@ from jaxaccum._window._micro_result import (
     MicroOut,
     MicroResult,
     aux_pair,
+    checked_loss,
     microbatch_share,
     share_dtype,
     weighted_pair,
@@ -97,12 +98,7 @@ def micro_value_and_grad(
         weight = ()
         if options.reduction == "weighted":
             loss, weight = weighted_pair(loss, "fun")
-        if not hasattr(loss, "dtype") and not isinstance(loss, float | int):
-            raise TypeError(
-                "fun must return a scalar loss (a pair (loss, aux) with "
-                "has_aux=True; (loss_sum, weight) with reduction='weighted'); "
-                f"got a {type(loss).__name__}."
-            )
+        loss = checked_loss(loss, "fun")
         share = microbatch_share(options, num_means, weight, share_dtype(loss))
         differentiated = loss * share.astype(jnp.result_type(loss))
         if loss_scale is not None:

@@ -110,11 +110,14 @@ def resolve_num_microbatches(
     microbatch_size: int | None,
     *,
     pad: bool = False,
+    can_pad: bool = True,
 ) -> Split:
     """Returns the :class:`Split` of a batch, checking that N divides it.
 
     With ``pad`` a batch that N does not divide is padded up to the next
     multiple (``N * ceil(B / N)``, or ``microbatch_size * ceil(B / size)``).
+    ``can_pad``: whether the caller takes ``pad`` (the error suggests it only
+    then).
     """
     if microbatch_size is not None:
         num = -(-batch_size // microbatch_size)
@@ -122,8 +125,13 @@ def resolve_num_microbatches(
             raise ValueError(
                 f"Batch size {batch_size} is not divisible by "
                 f"microbatch_size={microbatch_size}. Micro-batch sizes that "
-                f"divide it: {divisors(batch_size)}; or pass pad=True (with "
-                "reduction='weighted' or 'sum') to pad the last micro-batches."
+                f"divide it: {divisors(batch_size)}"
+                + (
+                    "; or pass pad=True (with reduction='weighted' or 'sum') to "
+                    "pad the last micro-batches."
+                    if can_pad
+                    else "."
+                )
             )
         return Split(num, batch_size, num * microbatch_size)
     assert num_microbatches is not None
@@ -132,8 +140,13 @@ def resolve_num_microbatches(
             f"Batch size {batch_size} is not divisible by "
             f"num_microbatches={num_microbatches}, so the micro-batches would "
             f"have unequal sizes. Choose num_microbatches from "
-            f"{divisors(batch_size)}, change the batch size, or pass pad=True "
-            "(with reduction='weighted' or 'sum') to pad with masked rows."
+            f"{divisors(batch_size)}, "
+            + (
+                "change the batch size, or pass pad=True (with "
+                "reduction='weighted' or 'sum') to pad with masked rows."
+                if can_pad
+                else "or change the batch size."
+            )
         )
     padded_size = num_microbatches * -(-batch_size // num_microbatches)
     return Split(num_microbatches, batch_size, padded_size)
@@ -301,7 +314,7 @@ def split_batch(batch: Batch, num_microbatches: int) -> PyTree:
     """
     check_count("num_microbatches", num_microbatches)
     size = batch_size_of([("batch", batch)])
-    resolve_num_microbatches(size, num_microbatches, None)
+    resolve_num_microbatches(size, num_microbatches, None, can_pad=False)
     views = strided_view(jax.tree.leaves(batch), num_microbatches)
     return jax.tree.unflatten(
         resized_treedef(batch, size // num_microbatches),
