@@ -164,6 +164,31 @@ def static_scalar(
     return int(number) if integer else float(number)
 
 
+def check_accum_dtype(name: str, value: Any) -> None:
+    """Checks that an accumulation dtype is a floating dtype or None.
+
+    Raises:
+      TypeError: naming ``name``, for a value that is no dtype (a misspelt
+        name) or one that is not floating (an integer dtype would sum float
+        gradients as they are, a complex one would make them complex).
+    """
+    if value is None:
+        return
+    fix = (
+        "Pass a floating dtype (jnp.float32, the default; jnp.float64 with "
+        "jax_enable_x64) or None to keep every leaf's own dtype."
+    )
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} is not a dtype. {fix}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{name}={dtype} is not a floating dtype: gradients "
+            f"accumulate in at least {name}. {fix}"
+        )
+
+
 def check_count(name: str, value: Any) -> None:
     """Checks that a micro-batch count or size is a positive Python int."""
     check_positive_int(

@@ -183,7 +183,7 @@ class CachedKwargs(_Size, _HasAux, _Argnums, _BatchRoles, total=False):
     accum_dtype: DTypeLike | None
     unroll: int | bool
     mesh: Mesh | AbstractMesh | None
-    data_axis: str | Sequence[str]
+    data_axis: str | Sequence[str] | None
 
 
 class PipelinePlanKwargs(_Window, _HasAux, _Finite, _PipelineShardModes):

@@ -198,3 +198,41 @@ def test_has_aux_with_a_bare_loss_says_so():
     "iteration over a 0-d array" (issue 45)."""
     with pytest.raises(TypeError, match=r"With has_aux=True, fun must return a pair"):
         jaxaccum.value_and_grad(loss, 2, has_aux=True)(PARAMS, BATCH)
+
+
+def _front_ends_building(**options: Any) -> dict[str, Callable[[], Any]]:
+    """Each entry point that takes ``accum_dtype``, built with ``options``."""
+    import jaxaccum.equinox
+    import jaxaccum.flax
+
+    return {
+        "value_and_grad": lambda: jaxaccum.value_and_grad(loss, 2, **options),
+        "cached_value_and_grad": lambda: jaxaccum.cached_value_and_grad(
+            loss, loss, 2, **options
+        ),
+        "shard_value_and_grad": lambda: jaxaccum.shard_value_and_grad(
+            loss, 2, **options
+        ),
+        "equinox.filter_value_and_grad": lambda: jaxaccum.equinox.filter_value_and_grad(
+            loss, 2, **options
+        ),
+        "flax.linen_value_and_grad": lambda: jaxaccum.flax.linen_value_and_grad(
+            loss, 2, **options
+        ),
+    }
+
+
+@pytest.mark.parametrize("accum_dtype", ["floot32", jnp.int32, jnp.complex64, 3])
+def test_accum_dtype_is_a_floating_dtype_or_none(accum_dtype):
+    """accum_dtype="floot32" built and failed at the call with NumPy's
+    message; jnp.int32 behaved like None (issue 66, 10). Every front end
+    refuses them when built, naming accum_dtype; MultiSteps its
+    accumulator_dtype."""
+    for build in _front_ends_building(accum_dtype=accum_dtype).values():
+        with pytest.raises(TypeError, match="accum_dtype=.* (is not a|floating) "):
+            build()  # when built: no call, no trace
+    with pytest.raises(TypeError, match="accumulator_dtype=.* (is not a|floating) "):
+        jaxaccum.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=accum_dtype)
+    for valid in (None, "float32", jnp.bfloat16, np.float64):
+        for build in _front_ends_building(accum_dtype=valid).values():
+            build()

@@ -407,6 +407,13 @@ def test_every_front_end_refuses_an_unknown_option_by_name():
             call()
 
 
+# The keywords a caller may set: the window's fields and its sharding's, but
+# N (positional) and what the front ends set themselves.
+_OPTIONS = frozenset(
+    {field.name for field in dataclasses.fields(_window_spec.WindowSpec)}
+    | _shard_spec.Sharding.field_names()
+) - {"num_microbatches", "sharding", "data_axes", "param_specs"}
+
 # What the checks and plans that compare windows leave out (COMPARE_REFUSED).
 _COMPARED_OUT = (*_shard_spec.SHARD_OPTIONS, "loss_scale")
 # plan_modes sets the modes itself, and plans unscaled.
@@ -465,8 +472,8 @@ def test_front_end_keywords_are_the_options(front_end, exclude):
     for part in front_end.split("."):
         function = getattr(function, part)
     # not a front end's own keywords (its mesh, tolerances, budget, layout)
-    keyword_only = set(_keywords(function)) & _window_spec.WindowSpec.option_names()
-    assert keyword_only == _window_spec.WindowSpec.option_names() - set(exclude)
+    keyword_only = set(_keywords(function)) & _OPTIONS
+    assert keyword_only == _OPTIONS - set(exclude)
     documented = inspect.getdoc(function) or ""
     if "Keyword Args:" in documented:  # the others point to their core's
         for name in keyword_only:

@@ -112,6 +112,8 @@ RIGHT = [
     "acc.cached_value_and_grad(loss, loss, microbatch_size=2, argnums=(0, 2))",
     "acc.cached_value_and_grad(loss, loss, 2, has_aux=True, unroll=True)",
     "acc.cached_value_and_grad(loss, loss, 2, mesh=mesh, data_axis=('data',))",
+    # data_axis=None, the documented default, is typed (issue 66, 11).
+    "acc.cached_value_and_grad(loss, loss, 2, mesh=mesh, data_axis=None)",
     "losses.softmax_contrastive(x, x, jnp.exp(jnp.log(10.0)), block_size=4)",
     "losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size=2)",
     # The pipeline guide's recipe: the plan's choice passed on (issue 62, case 6).

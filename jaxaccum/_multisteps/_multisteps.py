@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxaccum._checks import check_accum_dtype
 from jaxaccum._multisteps import _noise as _window_noise
 from jaxaccum._multisteps._inputs import (
     EveryKSchedule,
@@ -137,6 +138,7 @@ class MultiSteps:
         self._every_k_schedule = check_schedule(every_k_schedule)
         self._use_grad_mean = use_grad_mean
         self._should_skip_update_fn = should_skip_update_fn or never_skip
+        check_accum_dtype("accumulator_dtype", accumulator_dtype)
         self._accumulator_dtype = accumulator_dtype
         self._track_noise_scale = track_noise_scale
         self._loss_scale = None

@@ -3,7 +3,6 @@ its stages and batch lie (:class:`PipelineLayout`), and what a pipeline
 refuses of the core's options. Built by the pipeline's front ends alone."""
 
 import dataclasses
-from typing import ClassVar
 
 import jax
 
@@ -63,10 +62,6 @@ class PipelineWindow(WindowSpec):
     reduction other than ``PIPELINE_AUX_REDUCTIONS``)."""
 
     layout: PipelineLayout = PipelineLayout()
-
-    _SET_BY_FRONT_ENDS: ClassVar[frozenset[str]] = WindowSpec._SET_BY_FRONT_ENDS | {
-        "layout"
-    }
 
     def __post_init__(self) -> None:
         super().__post_init__()

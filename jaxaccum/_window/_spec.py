@@ -12,11 +12,16 @@ Where a front end needs a variant it derives it with ``dataclasses.replace``.
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 import jax.numpy as jnp
 
-from jaxaccum._checks import argnums_tuple, check_count, check_positive_int
+from jaxaccum._checks import (
+    argnums_tuple,
+    check_accum_dtype,
+    check_count,
+    check_positive_int,
+)
 from jaxaccum._types import (
     AUX_REDUCTIONS,
     REDUCTIONS,
@@ -93,6 +98,7 @@ class WindowSpec:
             check_count("num_microbatches", self.num_microbatches)
         else:
             check_count("microbatch_size", self.microbatch_size)
+        check_accum_dtype("accum_dtype", self.accum_dtype)
         if not isinstance(self.unroll, bool):
             check_positive_int("unroll", self.unroll, "Pass a bool or a count.")
         if self.reduction not in REDUCTIONS:
@@ -275,18 +281,6 @@ class WindowSpec:
                 f"{where} got an unknown keyword argument {name!r}; its "
                 f"options are: {', '.join(sorted(declared))}."
             )
-
-    # Fields no caller sets: N is positional, the rest set by the front ends.
-    _SET_BY_FRONT_ENDS: ClassVar[frozenset[str]] = frozenset(
-        {"num_microbatches", "sharding", "data_axes", "param_specs"}
-    )
-
-    @classmethod
-    def option_names(cls) -> frozenset[str]:
-        """The keywords a caller may set: the fields (and the
-        :class:`Sharding` fields) but those the front ends set themselves."""
-        names = {field.name for field in dataclasses.fields(cls)}
-        return frozenset(names | Sharding.field_names()) - cls._SET_BY_FRONT_ENDS
 
 
 # Why the testing and planning front ends refuse loss_scale.
