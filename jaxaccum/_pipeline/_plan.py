@@ -71,22 +71,14 @@ def plan_pipeline(
     least idle and recomputed work: ``M``, the schedule and ``remat``.
 
     The micro-batch is held fixed and the window grows: for each candidate
-    ``M`` (each schedule, GPipe, 1F1B (interleaved with ``repeats > 1``)
-    then zero-bubble, and ``remat`` False and True,
-    unless ``schedule=`` or ``remat=`` is given) it compiles
-    ``jax.jit(pipeline_value_and_grad(stage_fn, loss_fn, M, ...))``
-    on a batch of ``M`` micro-batches like ``microbatch`` and reads its
-    footprint per device from ``compiled.memory_analysis()`` (nothing runs:
-    ``params`` and ``microbatch`` may be ``jax.ShapeDtypeStruct`` values).
-    Memory grows with ``M``, so for each schedule and ``remat`` it compiles
-    the largest candidate, then the smallest, then bisects for the largest
-    that fits (only among the ``M`` that could beat the best found); of
-    those it returns the most efficient (:func:`efficiency`: the schedule's
-    idle slots, GPipe's bubble ``(S - 1) / (M R + S - 1)``, and, with
-    ``remat``, the stage's forward
-    FLOPs again, counted by ``cost_analysis()`` of one stage), GPipe on a
-    tie. Why not a fixed batch, and what is counted:
-    docs/guides/pipeline.md.
+    ``M``, each schedule (unless ``schedule=``) and ``remat`` False and True
+    (unless ``remat=``), it compiles ``jax.jit(pipeline_value_and_grad(
+    stage_fn, loss_fn, M, ...))`` on ``M`` micro-batches like ``microbatch``
+    and reads its footprint per device from ``compiled.memory_analysis()``
+    (nothing runs; bisecting over ``M``). Of those that fit it returns the
+    most efficient (:func:`efficiency`: the schedule's idle slots and, with
+    ``remat``, the stage's forward FLOPs again), GPipe on a tie. What is
+    counted and why: [Pipeline](../guides/pipeline.md).
 
     Args:
       stage_fn: one stage, as for :func:`jaxaccum.pipeline_value_and_grad`.
@@ -104,10 +96,8 @@ def plan_pipeline(
       stage_axis: the mesh axis of the stages, as there.
       data_axis: the mesh axis the batch is sharded over, or None, as there.
       repeats: stages per device, as there.
-      schedule: ``"gpipe"``, ``"1f1b"`` or ``"zero-bubble"`` to plan that
-        one only; None: every one built for ``repeats`` (with ``repeats >
-        1``, GPipe and interleaved 1F1B: zero-bubble takes ``repeats=1``
-        only).
+      schedule: the one schedule to plan; None: every one built for
+        ``repeats`` (zero-bubble takes ``repeats=1`` only).
       candidates: the ``M`` to consider (with ``repeats > 1``, GPipe skips
         those below ``S``, which interleaved 1F1B plans).
         Default: ``S, 2S, 4S, ..., 32S``.

@@ -137,13 +137,9 @@ def pipeline_value_and_grad(
       stage_axis: the mesh axis of size ``S`` the stages are placed on.
       data_axis: a mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular GPipe, interleaved 1F1B).
-      schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"`` (activation
-        memory linear in ``M``), ``"1f1b"`` (flat in ``M``; with ``R > 1``
-        interleaved 1F1B, each device's ``R`` stages in Megatron's order, the
-        fill and drain ``1/R`` of 1F1B's) or ``"zero-bubble"`` (1F1B's ticks
-        with the backward split into its input and weight parts, the weight
-        part deferred into idle slots: a shorter window for a ring of stored
-        cotangents; ``repeats=1`` only).
+      schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"`` (memory linear
+        in ``M``), ``"1f1b"`` (flat in ``M``; interleaved 1F1B with ``R > 1``)
+        or ``"zero-bubble"`` (``repeats=1`` only); the guide compares them.
       **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:
@@ -169,8 +165,7 @@ def pipeline_value_and_grad(
       aux), grads)`` with ``has_aux``; ``(that, report)`` with a report option).
 
     Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> import jaxaccum
+      >>> import jax, jax.numpy as jnp, jaxaccum
       >>> mesh = jax.make_mesh((1,), ("stage",))  # one device: S = 1
       >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
       >>> loss_fn = lambda h, x, batch: jnp.mean((x @ h - batch["y"]) ** 2)
