@@ -545,3 +545,27 @@ def test_the_shims_run_0_1s_own_examples(name):
         warnings.simplefilter("ignore", DeprecationWarning)
         runner.run(test, out=lambda _: None)
     assert runner.failures == 0 and runner.tries > 0, (name, runner.summarize())
+
+
+@pytest.mark.parametrize(
+    "module_name",
+    [
+        "jaxaccum",
+        "jaxaccum.flax",
+        "jaxaccum.equinox",
+        "jaxaccum.testing",
+        "jaxaccum.losses",
+        "jaxaccum.growth",
+    ],
+)
+def test_public_docstrings_are_contracts_of_at_most_60_lines(module_name):
+    """A docstring states the contract (what it equals, arguments, returns,
+    raises); the mechanism, costs and sharding story live in the guides
+    (issue 66: cached_value_and_grad's was 114 lines)."""
+    module = importlib.import_module(module_name)
+    long = {}
+    for name in module.__all__:
+        lines = len((inspect.getdoc(getattr(module, name)) or "").splitlines())
+        if lines > 60:
+            long[name] = lines
+    assert not long, f"docstrings over 60 lines: {long}"
