@@ -11,7 +11,7 @@ same option named in the error).
 
 import functools
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
 from jax.sharding import AbstractMesh, Mesh
@@ -101,6 +101,11 @@ class _State(TypedDict, total=False):
     state_argnums: ArgNums
 
 
+class _AxisName(TypedDict, total=False):
+    # The window as a named axis: a hashable name, as jax.vmap's axis_name.
+    axis_name: Hashable | None
+
+
 class _ShardModes(TypedDict, total=False):
     param_gather: ShardMode
     grad_reduce: ShardMode
@@ -133,7 +138,7 @@ class FilterKwargs(FlaxKwargs, _HasAux, _BatchRoles, _State):
     """The options of the Equinox front ends, which differentiate the model."""
 
 
-class AccumKwargs(FilterKwargs, _Argnums):
+class AccumKwargs(FilterKwargs, _Argnums, _AxisName):
     """The options of :func:`jaxaccum.value_and_grad` and :func:`jaxaccum.grad`."""
 
 

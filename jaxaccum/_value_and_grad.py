@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from typing_extensions import Unpack
 
+from jaxaccum._axis._window import axis_window
 from jaxaccum._checks import check_accepts_example_mask
 from jaxaccum._precision._loss_scale import pop_loss_scale, select_if_finite
 from jaxaccum._types import AccumKwargs, Fun, PyTree
@@ -207,6 +208,8 @@ def make_accumulated(fun: Fun, options: WindowSpec) -> Fun:
         return package(out, options, valid, scale)
 
     add_call_parameters(accumulated, fun, options)
+    if options.axis_name is not None:
+        return functools.wraps(fun)(axis_window(fun, options, accumulated))
     return accumulated
 
 

@@ -11,7 +11,7 @@ Where a front end needs a variant it derives it with ``dataclasses.replace``.
 """
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from typing import Any, Self
 
 import jax.numpy as jnp
@@ -33,6 +33,20 @@ from jaxaccum._types import (
     declared_keywords,
 )
 from jaxaccum._window._shard_spec import SHARD_OPTIONS, Sharding
+
+# What a window over a named axis does not take yet, and why.
+AXIS_REFUSED: dict[str, str] = {
+    "pad": "padded rows would meet the collectives over the window (a "
+    "BatchNorm's statistics); pass a batch that N divides.",
+    "masked": "every micro-batch is a member of the axis: a collective over "
+    "it needs them all. Build one window per size instead.",
+    "loss_scale": "not yet: the window over a named axis takes no float16 "
+    "loss scale; use bfloat16, or jaxaccum.value_and_grad without axis_name.",
+    "report_stats": "not yet: a coupled window's micro-batch gradients are not "
+    "computed one by one, so there are no moments to report.",
+    "report_finite": "not yet: check the value and gradients it returns with "
+    "jnp.isfinite.",
+}
 
 # Aux reductions that keep one micro-batch's values: per device under shard_map.
 PER_MICROBATCH_AUX: tuple[str, ...] = ("stack", "concat", "last")
@@ -65,6 +79,8 @@ class WindowSpec:
         :class:`jaxaccum.LossScaleReport`.
       sharding: how the window is split over devices
         (:class:`jaxaccum._window._shard_spec.Sharding`; the default runs it whole).
+      axis_name: the window as a named axis: ``fun``'s collectives over it
+        meet across the micro-batches (``jaxaccum._axis``); None: no axis.
     """
 
     num_microbatches: int | None = None
@@ -85,6 +101,7 @@ class WindowSpec:
     masked: bool = False
     loss_scale: bool = False
     sharding: Sharding = Sharding()
+    axis_name: Hashable | None = None
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_size is None):
@@ -142,6 +159,22 @@ class WindowSpec:
                 "alone."
             )
         self._check_roles()
+        self._check_axis_name()
+
+    def _check_axis_name(self) -> None:
+        if self.axis_name is None:
+            return
+        try:
+            hash(self.axis_name)
+        except TypeError:
+            raise TypeError(
+                f"axis_name must be hashable, as jax.vmap's is (a string such "
+                f"as 'window'); got {self.axis_name!r} of type "
+                f"{type(self.axis_name).__name__}."
+            ) from None
+        for name, why in AXIS_REFUSED.items():
+            if getattr(self, name):
+                raise ValueError(f"axis_name={self.axis_name!r} with {name}: {why}")
 
     @property
     def data_axes(self) -> tuple[str, ...]:

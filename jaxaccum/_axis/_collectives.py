@@ -1,0 +1,124 @@
+"""What a collective over the window means for the micro-batches' values.
+
+A value of the traced ``fun`` is either the same on every micro-batch
+(shared: parameters, constants, a collective's result) or one per
+micro-batch (stacked: the window's axis at ``axis`` of its array). Over the
+window, ``psum`` is a sum across the stacked axis (``N`` times a shared
+value), ``pmax`` and ``pmin`` a max and a min, ``all_gather`` the stacked
+values themselves in micro-batch order, and ``axis_index`` the micro-batch's
+index; positions a ``vmap`` inside ``fun`` added to the axes reduce as
+``jax.vmap`` reduces them, and other names (a device axis under
+``shard_map``) reduce after the window, by their own collective.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+
+class Value(NamedTuple):
+    """A value of the traced ``fun`` during the window.
+
+    Attributes:
+      array: the array: one micro-batch's shape if shared, else with the
+        window's ``N`` inserted at ``axis``.
+      stacked: whether it differs between micro-batches.
+      axis: where the window's axis is, if stacked (1 for a batch's free
+        strided view, 0 for values a segment computed).
+    """
+
+    array: Any
+    stacked: bool = False
+    axis: int = 0
+
+    def leading(self, size: int) -> Any:
+        """The array with the window's axis first (broadcast if shared)."""
+        if self.stacked:
+            return jnp.moveaxis(self.array, self.axis, 0)
+        array = jnp.asarray(self.array)
+        return jnp.broadcast_to(array, (size, *array.shape))
+
+
+def _split_axes(axes: Any, axis_name: Any) -> tuple[tuple, tuple]:
+    """A collective's positions, and its names other than the window's."""
+    axes = axes if isinstance(axes, tuple | list) else (axes,)
+    positions = tuple(a for a in axes if isinstance(a, int))
+    others = tuple(a for a in axes if not isinstance(a, int) and a != axis_name)
+    return positions, others
+
+
+_REDUCERS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "psum": (jnp.sum, lax.psum),
+    "pmax": (jnp.max, lax.pmax),
+    "pmin": (jnp.min, lax.pmin),
+}
+
+
+def reduce_over_window(
+    name: str, operands: list[Value], params: dict, axis_name: Any, size: int
+) -> list[Value]:
+    """``psum``, ``pmax`` or ``pmin`` over axes that include the window's."""
+    reduce, collective = _REDUCERS[name]
+    positions, others = _split_axes(params["axes"], axis_name)
+    results = []
+    for operand in operands:
+        if operand.stacked:
+            array = reduce(operand.leading(size), axis=0)
+        elif name == "psum":  # the same value on each of N micro-batches
+            array = operand.array * jnp.asarray(size, jnp.result_type(operand.array))
+        else:
+            array = operand.array
+        if positions:
+            array = reduce(array, axis=positions)
+        if others:
+            array = collective(array, others)
+        results.append(Value(array))
+    return results
+
+
+def gather_over_window(
+    operand: Value, params: dict, axis_name: Any, size: int
+) -> Value:
+    """``all_gather`` over the window: every micro-batch's value, in the
+    micro-batches' order, at ``all_gather_dimension`` (``tiled``: merged
+    into it)."""
+    names = params["axis_name"]
+    names = names if isinstance(names, tuple | list) else (names,)
+    if tuple(names) != (axis_name,):
+        raise TypeError(
+            f"all_gather over {tuple(names)} mixes the window's axis "
+            f"{axis_name!r} with others: gather over the window, then over the "
+            "others (two all_gathers)."
+        )
+    dimension = params["all_gather_dimension"]
+    stacked = jnp.moveaxis(operand.leading(size), 0, dimension)
+    if params["tiled"]:
+        shape = stacked.shape
+        merged = (shape[dimension] * shape[dimension + 1],)
+        stacked = stacked.reshape(*shape[:dimension], *merged, *shape[dimension + 2 :])
+    return Value(stacked)
+
+
+def index_over_window(params: dict, axis_name: Any, size: int) -> Value:
+    """``axis_index`` of the window: micro-batch ``k``'s is ``k``."""
+    names = params["axis_name"]
+    names = names if isinstance(names, tuple | list) else (names,)
+    if tuple(names) != (axis_name,):
+        raise TypeError(
+            f"axis_index over {tuple(names)} mixes the window's axis "
+            f"{axis_name!r} with others: take each axis's index on its own."
+        )
+    return Value(jnp.arange(size, dtype=jnp.int32), stacked=True)
+
+
+def over_window(
+    name: str, operands: list[Value], params: dict, axis_name: Any, size: int
+) -> list[Value]:
+    """The results of the collective ``name`` over the window."""
+    if name == "all_gather":
+        return [gather_over_window(operands[0], params, axis_name, size)]
+    if name == "axis_index":
+        return [index_over_window(params, axis_name, size)]
+    return reduce_over_window(name, operands, params, axis_name, size)

@@ -1,0 +1,123 @@
+"""A call's arguments as the window over a named axis reads them: flat, by
+role, each leaf a :class:`Value` (the batch's leaves per micro-batch as their
+free strided views, the keys split per micro-batch, everything else shared),
+and the one micro-batch's abstract values ``fun`` is traced at."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum._axis._collectives import Value
+from jaxaccum._types import PyTree
+from jaxaccum._window import _split
+from jaxaccum._window._accum_dtypes import accum_dtype_for
+from jaxaccum._window._spec import WindowSpec
+
+
+def _is_array(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") or isinstance(leaf, int | float | complex)
+
+
+class FlatCall(NamedTuple):
+    """The call's array leaves, flat: the differentiated ones first.
+
+    Attributes:
+      values: each leaf's :class:`Value` (differentiated leaves in
+        ``accum_dtype`` at least, so their gradient sums in it).
+      avals: each leaf's abstract value for one micro-batch.
+      num_diff: how many leading leaves are differentiated.
+      rebuild: ``rebuild(leaves) -> (args, kwargs)``, the call with its
+        array leaves replaced (the others kept).
+    """
+
+    values: list[Value]
+    avals: list[Any]
+    num_diff: int
+    rebuild: Callable[[list], tuple[tuple, dict]]
+
+
+def flat_call(
+    args: tuple, kwargs: dict, spec: WindowSpec, size: int, keys: tuple
+) -> FlatCall:
+    """The call by role: ``keys`` are the key arguments split into ``size``."""
+    roles = {num: "diff" for num in spec.diff_nums}
+    roles.update({num: "batch" for num in spec.batch_nums})
+    roles.update({num: "key" for num in spec.key_nums})
+    placed = list(args)
+    for num, split in zip(spec.key_nums, keys, strict=True):
+        placed[num] = split
+    order = [*spec.diff_nums, *(i for i in range(len(args)) if i not in spec.diff_nums)]
+    tree = ([placed[i] for i in order], kwargs)
+    leaves, treedef = jax.tree.flatten(tree)
+    role_of = _leaf_roles([roles.get(i) for i in order], tree)
+    values, avals, arrays = [], [], []
+    for position, (leaf, role) in enumerate(zip(leaves, role_of, strict=True)):
+        if not _is_array(leaf):
+            continue
+        arrays.append(position)
+        value, aval = _leaf_value(jnp.asarray(leaf), role, size, spec.accum_dtype)
+        values.append(value)
+        avals.append(aval)
+    num_diff = sum(1 for role in role_of if role == "diff")
+
+    def rebuild(new: list) -> tuple[tuple, dict]:
+        full = list(leaves)
+        for position, leaf in zip(arrays, new, strict=True):
+            full[position] = leaf
+        ordered, new_kwargs = jax.tree.unflatten(treedef, full)
+        call = [None] * len(args)
+        for i, arg in zip(order, ordered, strict=True):
+            call[i] = arg
+        return tuple(call), new_kwargs
+
+    return FlatCall(values, avals, num_diff, rebuild)
+
+
+def _leaf_roles(arg_roles: list, tree: tuple) -> list:
+    """Each leaf's role: its argument's (keyword arguments are shared)."""
+    ordered, kwargs = tree
+    roles = []
+    for role, arg in zip(arg_roles, ordered, strict=True):
+        roles.extend([role] * len(jax.tree.leaves(arg)))
+    return roles + [None] * len(jax.tree.leaves(kwargs))
+
+
+def _leaf_value(leaf: jax.Array, role: Any, size: int, accum: Any) -> tuple:
+    """One leaf's :class:`Value` and its abstract value for one micro-batch."""
+    if role == "batch":
+        view = _split.strided_view([leaf], size)[0]
+        rows = (leaf.shape[0] // size, *leaf.shape[1:])
+        return Value(view, stacked=True, axis=1), jax.ShapeDtypeStruct(rows, leaf.dtype)
+    if role == "key":  # split into (N, ...) already
+        one = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+        return Value(leaf, stacked=True), one
+    aval = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    if role == "diff":
+        leaf = leaf.astype(accum_dtype_for(leaf.dtype, accum))
+    return Value(leaf), aval
+
+
+def split_keys(args: tuple, spec: WindowSpec, size: int) -> tuple:
+    """Each key argument split into ``size`` keys, as the core splits them
+    (the key itself, stacked once, for one micro-batch)."""
+    keys = tuple(args[num] for num in spec.key_nums)
+    if size > 1:
+        return jax.tree.map(lambda key: jax.random.split(key, size), keys)
+    return jax.tree.map(lambda key: jnp.expand_dims(key, 0), keys)
+
+
+def batch_split(args: tuple, spec: WindowSpec) -> _split.Split:
+    """The batch's split, checked as the core checks it (no padding)."""
+    labelled = [(f"args[{i}]", args[i]) for i in spec.batch_nums]
+    return _split.resolve_num_microbatches(
+        _split.batch_size_of(labelled),
+        spec.num_microbatches,
+        spec.microbatch_size,
+        can_pad=False,
+    )
+
+
+def state_values(args: tuple, spec: WindowSpec) -> PyTree:
+    return tuple(args[num] for num in spec.state_nums)

@@ -1,0 +1,186 @@
+"""``fun`` traced for one micro-batch with the window's axis bound, flattened
+into one list of equations: calls (``jit``, ``checkpoint``) inlined, so that a
+collective inside them is cut like one outside; a collective over the window
+inside a construct whose body cannot be cut (a loop, a branch, a custom
+derivative) refused, naming the construct."""
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
+
+# Calls whose body is inlined: their equations run as if written outside.
+_INLINED = ("pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint")
+# Collectives over the window that the window computes across micro-batches.
+WINDOW_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "axis_index")
+# What a user wrote, for a construct's primitive (the refusal names it).
+_CONSTRUCTS = {
+    "while": "jax.lax.while_loop (or fori_loop with a traced bound)",
+    "cond": "jax.lax.cond (or switch)",
+    "custom_vjp_call": "a jax.custom_vjp function",
+    "custom_vjp_call_jaxpr": "a jax.custom_vjp function",
+    "custom_jvp_call": "a jax.custom_jvp function",
+    "scan": "jax.lax.scan (a layer scan: flax.linen.scan, an Equinox scan)",
+}
+
+
+class Equation(NamedTuple):
+    """One equation of the flattened ``fun``: its values are named by keys.
+
+    Attributes:
+      name: the primitive's name.
+      bind: binds the primitive to input values, as ``eval_jaxpr`` does.
+      params: the primitive's parameters (a collective's axes).
+      inputs: the keys (or ``Literal`` s) of its inputs.
+      outputs: the keys of its outputs (None where dropped).
+      multiple: whether the primitive returns a list.
+    """
+
+    name: str
+    bind: Callable[..., Any]
+    params: dict
+    inputs: tuple
+    outputs: tuple
+    multiple: bool
+
+
+class Traced(NamedTuple):
+    """``fun`` for one micro-batch, flattened.
+
+    Attributes:
+      equations: in order.
+      inputs: the keys of the flat inputs.
+      outputs: the keys (or ``Literal`` s) of the flat outputs.
+      constants: the values of the traced constants, by key.
+      avals: the abstract value of each input, by key.
+    """
+
+    equations: list[Equation]
+    inputs: list
+    outputs: list
+    constants: dict
+    avals: dict
+
+
+def axis_names_of(params: dict) -> tuple:
+    """The axis names (not positions) a primitive's parameters name (any
+    hashable but an int, as ``jax.vmap``'s)."""
+    names: list = []
+    for field in ("axes", "axis_name"):
+        value = params.get(field)
+        values = value if isinstance(value, tuple | list) else (value,)
+        names.extend(v for v in values if v is not None and not isinstance(v, int))
+    return tuple(names)
+
+
+def over_window(eqn: Any, axis_name: Any) -> bool:
+    """Whether ``eqn`` (or an equation in a body it holds) names the axis."""
+    if axis_name in axis_names_of(eqn.params):
+        return True
+    return any(
+        over_window(inner, axis_name)
+        for jaxpr in _bodies(eqn.params)
+        for inner in jaxpr.eqns
+    )
+
+
+def _bodies(params: dict) -> list[Jaxpr]:
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found
+
+
+def trace(fun: Callable, avals: Sequence, axis_name: Any, size: int) -> Traced:
+    """``fun`` of flat arguments like ``avals``, traced with ``axis_name`` of
+    ``size`` bound, flattened."""
+    closed = jax.make_jaxpr(fun, axis_env=[(axis_name, size)])(*avals)
+    constants = {("const", i): c for i, c in enumerate(closed.consts)}
+    inputs = [("in", i) for i in range(len(avals))]
+    equations: list[Equation] = []
+    outputs = _flatten(
+        closed.jaxpr, [*constants, *inputs], (), equations, constants, axis_name
+    )
+    by_key = dict(zip(inputs, avals, strict=True))
+    return Traced(equations, inputs, outputs, constants, by_key)
+
+
+def _flatten(
+    jaxpr: Jaxpr,
+    inputs: Sequence,
+    scope: tuple,
+    out: list,
+    constants: dict,
+    axis_name: Any,
+) -> list:
+    """Appends ``jaxpr``'s equations to ``out``, inputs keyed ``inputs`` and
+    calls inlined; returns its outputs' keys."""
+    names: dict = dict(zip([*jaxpr.constvars, *jaxpr.invars], inputs, strict=True))
+
+    def key(v: Any) -> Any:
+        return v if isinstance(v, Literal) else names.setdefault(v, (scope, v))
+
+    for number, eqn in enumerate(jaxpr.eqns):
+        args = [key(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name in _INLINED and over_window(eqn, axis_name):
+            inner = eqn.params["jaxpr"]
+            if isinstance(inner, ClosedJaxpr):
+                keys = [(scope, number, "const", i) for i in range(len(inner.consts))]
+                constants.update(zip(keys, inner.consts, strict=True))
+                inner, args = inner.jaxpr, [*keys, *args]
+            results = _flatten(inner, args, (*scope, number), out, constants, axis_name)
+            for v, result in zip(eqn.outvars, results, strict=True):
+                if not isinstance(v, DropVar):
+                    names[v] = result
+            continue
+        if name not in WINDOW_COLLECTIVES and over_window(eqn, axis_name):
+            raise_unsupported(name, axis_name)
+        outs = tuple(None if isinstance(v, DropVar) else key(v) for v in eqn.outvars)
+        out.append(
+            Equation(
+                name,
+                _binder(eqn),
+                dict(eqn.params),
+                tuple(args),
+                outs,
+                eqn.primitive.multiple_results,
+            )
+        )
+    return [key(v) for v in jaxpr.outvars]
+
+
+def raise_unsupported(name: str, axis_name: Any) -> None:
+    """A collective over the window the window cannot compute, or one inside
+    a construct it cannot cut: a TypeError naming it and what to do."""
+    if name in _CONSTRUCTS:
+        raise TypeError(
+            f"A collective over the window's axis {axis_name!r} runs inside "
+            f"{_CONSTRUCTS[name]}: its body runs once per micro-batch, so a "
+            "collective across micro-batches cannot be placed in it. Move the "
+            "collective (BatchNorm, all_gather, psum over the axis) out of "
+            "that construct, or unroll the loop in Python."
+        )
+    raise TypeError(
+        f"{name} over the window's axis {axis_name!r} is not supported: the "
+        "window computes psum, pmean, pmax, pmin, all_gather and axis_index "
+        "across its micro-batches, exactly. Write the coupling with those "
+        "(an all_gather and a slice by axis_index instead of a ppermute)."
+    )
+
+
+def _binder(eqn: Any) -> Callable[..., Any]:
+    """``eqn``'s primitive bound as ``jax.core.eval_jaxpr`` binds it (with
+    the parameters ``get_bind_params`` gives), under its context."""
+    primitive, params, context = eqn.primitive, eqn.params, eqn.ctx
+
+    def bind(*args: Any) -> Any:
+        with context.manager:
+            return primitive.bind(*args, **primitive.get_bind_params(params))
+
+    return bind

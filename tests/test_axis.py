@@ -1,0 +1,202 @@
+"""The window as a named axis (``axis_name=``): ``fun`` written for data
+parallelism (BatchNorm with ``axis_name``, ``all_gather`` for in-batch
+negatives, ``psum`` of counts) runs over the micro-batches one at a time, its
+collectives meeting across the whole window: the big batch's numbers.
+
+The big batch is ``jax.vmap(fun, axis_name=...)`` over one member holding
+the whole batch (a collective over one member is the whole batch's
+reduction). The claim is that value up to rounding: the same sums in another
+order. In float64 that is within 1e-12 (the issue's figure; float64 rounding,
+``2**-53`` per operation over sums of at most 64 terms, is below 1e-14); a
+real mistake (micro-batch statistics, a positive given to the wrong column,
+the running averages updated N times) moves the result by 1e-2 and more
+(``test_micro_batch_statistics_are_far_off`` shows how far).
+"""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jaxaccum
+
+FLOAT64_TOL = 1e-12
+BATCH = 16
+AXIS = "window"
+
+
+def float64(tree):
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+class BatchNormMLP(nn.Module):
+    """Two BatchNorms over the window's axis and a residual."""
+
+    axis_name: str | None = AXIS
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        dense = dict(param_dtype=x.dtype, dtype=x.dtype)
+        norm = dict(
+            use_running_average=not train,
+            axis_name=self.axis_name,
+            param_dtype=x.dtype,
+            dtype=x.dtype,
+        )
+        h = nn.tanh(nn.BatchNorm(**norm)(nn.Dense(8, **dense)(x)))
+        h = nn.BatchNorm(**norm)(h + nn.Dense(8, **dense)(h))
+        return nn.Dense(1, **dense)(nn.relu(h))[:, 0]
+
+
+def mlp_problem(dtype=jnp.float64, axis_name=AXIS):
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (BATCH, 3), dtype)
+    batch = {"x": x, "y": jax.random.normal(keys[1], (BATCH,), dtype)}
+    model = BatchNormMLP(axis_name)
+    variables = model.init(keys[2], x, train=False)
+    variables = jax.tree.map(lambda a: a.astype(dtype), variables)
+
+    def loss(params, batch, stats):
+        out, updates = model.apply(
+            {"params": params, "batch_stats": stats},
+            batch["x"],
+            mutable=["batch_stats"],
+        )
+        return jnp.mean((out - batch["y"]) ** 2), updates["batch_stats"]
+
+    return loss, variables["params"], batch, variables["batch_stats"]
+
+
+def big_batch(fun, *args, batch_argnum=1, has_aux=True):
+    """``jax.value_and_grad`` of ``fun`` on the whole batch as the one member
+    of the axis."""
+
+    def whole(params, *rest):
+        call = [params, *rest]
+        call[batch_argnum] = jax.tree.map(lambda a: a[None], call[batch_argnum])
+        axes = [None] * len(call)
+        axes[batch_argnum] = 0
+        out = jax.vmap(fun, in_axes=tuple(axes), axis_name=AXIS)(*call)
+        return jax.tree.map(lambda a: a[0], out)
+
+    return jax.value_and_grad(whole, has_aux=has_aux)(*args)
+
+
+def clip_loss(params, batch):
+    """In-batch negatives written for data parallelism: every row against
+    the whole window's other tower, the positive found by axis_index."""
+    image = jnp.tanh(batch["x"] @ params["image"])
+    text = jnp.tanh(batch["y"] @ params["text"])
+    texts = lax.all_gather(text, AXIS, tiled=True)
+    logits = params["scale"] * image @ texts.T
+    rows = image.shape[0]
+    labels = lax.axis_index(AXIS) * rows + jnp.arange(rows)
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=1))
+
+
+def moe_loss(params, batch):
+    """A task loss plus the MoE balance term N_E sum_i f_i P_i over the
+    window: f from psum'd counts, P from pmean'd router probabilities."""
+    logits = batch["x"] @ params["image"]
+    experts = logits.shape[-1]
+    chosen = jax.nn.one_hot(jnp.argmax(logits, -1), experts, dtype=logits.dtype)
+    fraction = lax.psum(jnp.sum(chosen, 0), AXIS) / lax.psum(logits.shape[0], AXIS)
+    probability = lax.pmean(jnp.mean(jax.nn.softmax(logits), 0), AXIS)
+    return jnp.mean(logits**2) + experts * jnp.sum(fraction * probability)
+
+
+def tower_problem(dtype=jnp.float64):
+    keys = jax.random.split(jax.random.key(1), 4)
+    params = {
+        "image": jax.random.normal(keys[0], (3, 4), dtype),
+        "text": jax.random.normal(keys[1], (3, 4), dtype),
+        "scale": jnp.asarray(2.0, dtype),
+    }
+    batch = {
+        "x": jax.random.normal(keys[2], (BATCH, 3), dtype),
+        "y": jax.random.normal(keys[3], (BATCH, 3), dtype),
+    }
+    return params, batch
+
+
+def assert_close(got, want, tol, name):
+    errors = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, want)
+    worst = max(jax.tree.leaves(errors))
+    assert worst <= tol, f"{name}: {worst:.3g} from the big batch (tol {tol})"
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 8, BATCH])
+def test_linen_batchnorm_is_the_big_batchs(num_microbatches):
+    """Value, every gradient leaf and the running averages (updated once a
+    window, from the window's statistics) within 1e-12 in float64."""
+    with jax.enable_x64():
+        loss, params, batch, stats = mlp_problem()
+        (want_value, want_stats), want_grads = big_batch(
+            loss, params, batch, stats, has_aux=True
+        )
+        step = jaxaccum.value_and_grad(
+            loss, num_microbatches, axis_name=AXIS, state_argnums=2
+        )
+        (value, grads), new_stats = jax.jit(step)(params, batch, stats)
+        assert_close(value, want_value, FLOAT64_TOL, "value")
+        assert_close(grads, want_grads, FLOAT64_TOL, "gradients")
+        assert_close(new_stats, want_stats, FLOAT64_TOL, "running averages")
+
+
+def test_micro_batch_statistics_are_far_off():
+    """Without the axis, BatchNorm normalises each micro-batch by its own
+    statistics (plain accumulation): the gradient is another model's."""
+    with jax.enable_x64():
+        loss, params, batch, stats = mlp_problem()
+        _, want_grads = big_batch(loss, params, batch, stats)
+        plain_loss, *_ = mlp_problem(axis_name=None)
+        step = jaxaccum.value_and_grad(plain_loss, 8, state_argnums=2)
+        (_, grads), _ = step(params, batch, stats)
+        error = optax_norm_diff(grads, want_grads)
+        assert error > 1e-2, error
+
+
+def optax_norm_diff(a, b):
+    import optax
+
+    return float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)))
+
+
+@pytest.mark.parametrize("loss", [clip_loss, moe_loss], ids=["all_gather", "psum"])
+@pytest.mark.parametrize("num_microbatches", [1, 2, 8, BATCH])
+def test_batch_coupled_losses_are_the_big_batchs(loss, num_microbatches):
+    """In-batch negatives through all_gather and axis_index, and a psum'd
+    balance term: within 1e-12 of the big batch in float64."""
+    with jax.enable_x64():
+        params, batch = tower_problem()
+        want = big_batch(loss, params, batch, has_aux=False)
+        step = jaxaccum.value_and_grad(loss, num_microbatches, axis_name=AXIS)
+        assert_close(jax.jit(step)(params, batch), want, FLOAT64_TOL, loss.__name__)
+
+
+@pytest.mark.parametrize("num_microbatches", [2, 8])
+def test_float32_within_rounding(num_microbatches):
+    """float32: within 1e-5 of the big batch, relative to each leaf."""
+    params, batch = tower_problem(jnp.float32)
+    want = big_batch(clip_loss, params, batch, has_aux=False)
+    got = jax.jit(jaxaccum.value_and_grad(clip_loss, num_microbatches, axis_name=AXIS))(
+        params, batch
+    )
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_no_collective_over_the_axis_is_the_plain_window():
+    """A loss with no collective over the axis runs today's window: the same
+    compiled program, so the same numbers bit for bit."""
+    params, batch = tower_problem(jnp.float32)
+
+    def mean_loss(params, batch):
+        return jnp.mean(jnp.tanh(batch["x"] @ params["image"]) ** 2)
+
+    plain = jax.jit(jaxaccum.value_and_grad(mean_loss, 4))
+    named = jax.jit(jaxaccum.value_and_grad(mean_loss, 4, axis_name=AXIS))
+    chex.assert_trees_all_equal(named(params, batch), plain(params, batch))
+    assert named.lower(params, batch).as_text() == plain.lower(params, batch).as_text()
