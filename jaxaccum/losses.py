@@ -4,10 +4,15 @@ CLIP's and SigLIP's losses score each of B examples against every other: a
 B x B matrix of logits, 17 GB of float32 at B = 65,536, which is what runs out
 of memory first at contrastive batch sizes. Here forward and backward take a
 block of ``block_size`` rows at a time (the backward recomputes a block's
-logits rather than keeping them), so the memory is O(B·D + block_size·B) and
-the value and gradients are the formula's up to float32 rounding (the
-summation order differs). Sums are taken in float32 for bfloat16 or float16
-inputs (float64 for float64), and gradients come back in each input's dtype.
+logits rather than keeping them), so the memory is O(B·D + block_size·B).
+The value and gradients are the formula's up to float32 rounding (the
+summation order differs), and the value and the scale's gradient are no
+further from float64 than the formula computed in float32: each is a sum of
+per-row and per-column terms formed before summing, never a difference of
+sums that grow with B x ``logit_scale`` (which near convergence, at CLIP's
+scale of 100, cancel to a negative loss). Sums are taken in float32 for
+bfloat16 or float16 inputs (float64 for float64), and gradients come back in
+each input's dtype.
 
 Neither loss normalises its inputs: pass embeddings normalised as your model
 wants (CLIP and SigLIP divide each row by its norm first). ``logit_scale`` is
@@ -90,9 +95,12 @@ def softmax_contrastive(
     batch: open_clip's ``ClipLoss`` on one device. The rows' log-sum-exps are
     taken a block at a time, the columns' with a running max and sum across
     blocks, and the backward recomputes each block's logits: memory
-    O(B·D + block_size·B). Differentiable in ``x``, ``y`` and ``logit_scale``
-    in reverse mode (a ``jax.custom_vjp``: ``jax.grad``, not ``jax.jvp``); it
-    jits and vmaps.
+    O(B·D + block_size·B). Each row's and column's term, its log-sum-exp
+    less its positive's logit, is formed before the sum, so the value is a
+    sum of non-negative terms; it and the scale's gradient are no further
+    from float64 than the formula in float32. Differentiable in ``x``, ``y``
+    and ``logit_scale`` in reverse mode (a ``jax.custom_vjp``: ``jax.grad``,
+    not ``jax.jvp``); it jits and vmaps.
 
     Args:
       x: ``(B, D)`` embeddings of one modality (images), floating point. Not
