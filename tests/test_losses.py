@@ -43,8 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from check_scripts import run_script, selected_checks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from losses_checks import CHECKS as SHARD_MAP_CHECKS
 from tolerances import ATOL, RTOL
 
 import jaxaccum
@@ -490,3 +492,22 @@ def test_inside_shard_map_on_values_that_vary_between_devices(kind):
         rtol=RTOL,
         atol=ATOL,
     )
+
+
+@pytest.fixture(scope="module")
+def shard_map_results(request) -> dict:
+    checks = selected_checks(request)
+    return run_script("losses_checks.py", num_devices=8, timeout=600, checks=checks)
+
+
+@pytest.mark.parametrize("check", SHARD_MAP_CHECKS)
+def test_under_shard_map_any_mix_of_varying_and_invariant_inputs(
+    shard_map_results, check
+):
+    """Per device on 8 devices, x, y, the scale and the bias each varying over
+    the devices or the same on all (a replicated temperature, an all-gathered
+    y, a Python float): value and gradients of the devices' summed losses are
+    the plain formula's under the same shard_map, in float64
+    (tests/losses_checks.py). An invariant input's cotangent is the devices'
+    sum; the backward returned it varying, which JAX refused."""
+    assert shard_map_results[check]["ok"], shard_map_results[check]["detail"]

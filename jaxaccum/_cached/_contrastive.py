@@ -77,6 +77,19 @@ def _zero(accum: jnp.dtype, *arrays: Array) -> Array:
     )
 
 
+def _cotangent_of(primal: Array, cotangent: Array) -> Array:
+    """``cotangent`` as ``primal``'s: its dtype, and under ``shard_map`` its
+    type. An input the same on every device (a replicated temperature, an
+    all-gathered ``y``) gets the sum of the devices' cotangents, as JAX's own
+    transpose of the implicit ``pvary`` gives it; JAX refuses a varying one."""
+    extra = set(jax.typeof(cotangent).manual_axis_type.varying) - set(
+        jax.typeof(primal).manual_axis_type.varying
+    )
+    if extra:
+        cotangent = jax.lax.psum(cotangent, tuple(sorted(extra)))
+    return cotangent.astype(primal.dtype)
+
+
 class _SoftmaxSaved(NamedTuple):
     x: Array
     y: Array
@@ -178,9 +191,9 @@ def _softmax_backward(
     dx = _unblock(dx_blocks, batch) + diagonal[:, None] * y.astype(accum)
     dy = dy + diagonal[:, None] * x.astype(accum)
     return (
-        dx.astype(x.dtype),
-        dy.astype(y.dtype),
-        (weight * dscale).astype(scale.dtype),
+        _cotangent_of(x, dx),
+        _cotangent_of(y, dy),
+        _cotangent_of(scale, weight * dscale),
     )
 
 
@@ -250,10 +263,10 @@ def _sigmoid_backward(
     start = (jnp.zeros(y.shape, accum) + zero, zero, zero)
     (dy, dscale, dbias), dx_blocks = jax.lax.scan(body, start, tuple(blocks))
     return (
-        _unblock(dx_blocks, batch).astype(x.dtype),
-        dy.astype(y.dtype),
-        dscale.astype(scale.dtype),
-        dbias.astype(bias.dtype),
+        _cotangent_of(x, _unblock(dx_blocks, batch)),
+        _cotangent_of(y, dy),
+        _cotangent_of(scale, dscale),
+        _cotangent_of(bias, dbias),
     )
 
 
