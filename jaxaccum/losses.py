@@ -54,14 +54,16 @@ def _checked_pair(name: str, x: ArrayLike, y: ArrayLike) -> tuple[Array, Array]:
     return x, y
 
 
-def _checked_scalar(name: str, arg: str, value: ArrayLike) -> Array:
+def _checked_scalar(name: str, arg: str, value: ArrayLike, x: Array, y: Array) -> Array:
+    """A real scalar; an int (which has no gradient) in the loss's float dtype."""
     value = jnp.asarray(value)
-    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+    integer = jnp.issubdtype(value.dtype, jnp.integer)
+    if value.shape != () or not (integer or jnp.issubdtype(value.dtype, jnp.floating)):
         raise ValueError(
             f"{name}: {arg} has shape {value.shape} and dtype {value.dtype}; it "
-            f"must be a floating-point scalar (e.g. jnp.squeeze({arg}))."
+            f"must be a real scalar, an int or a float (e.g. jnp.squeeze({arg}))."
         )
-    return value
+    return value.astype(_contrastive.accum_dtype(x, y)) if integer else value
 
 
 def _checked_block_size(name: str, block_size: int, batch: int) -> int:
@@ -107,8 +109,9 @@ def softmax_contrastive(
         normalised here: divide rows by their norm first if the model does.
       y: ``(B, D)`` embeddings of the other (texts); row i pairs with row i of
         ``x``.
-      logit_scale: the multiplier of the similarities, a scalar (CLIP learns
-        its log and passes ``jnp.exp(log_scale)``, as to open_clip's loss).
+      logit_scale: the multiplier of the similarities, a real scalar (CLIP
+        learns its log and passes ``jnp.exp(log_scale)``, as to open_clip's
+        loss); an int is taken in the loss's float dtype.
       block_size: rows of ``x`` scored against all of ``y`` at once; any
         value >= 1 (B need not be a multiple: the last block is masked; a
         block_size >= B is one block).
@@ -136,7 +139,7 @@ def softmax_contrastive(
     """
     name = "softmax_contrastive"
     x, y = _checked_pair(name, x, y)
-    scale = _checked_scalar(name, "logit_scale", logit_scale)
+    scale = _checked_scalar(name, "logit_scale", logit_scale, x, y)
     block_size = _checked_block_size(name, block_size, x.shape[0])
     return _contrastive.softmax_contrastive(x, y, scale, block_size)
 
@@ -170,9 +173,10 @@ def sigmoid_contrastive(
       x: ``(B, D)`` embeddings of one modality, floating point; not normalised
         here.
       y: ``(B, D)`` embeddings of the other; row i pairs with row i of ``x``.
-      logit_scale: the multiplier, a scalar (SigLIP learns its log, starting
-        at ``log(10)``, and passes ``jnp.exp(log_scale)``).
-      logit_bias: added to every logit, a scalar (SigLIP starts it at -10).
+      logit_scale: the multiplier, a real scalar (SigLIP learns its log,
+        starting at ``log(10)``, and passes ``jnp.exp(log_scale)``).
+      logit_bias: added to every logit, a real scalar (SigLIP starts it at
+        -10). An int scale or bias is taken in the loss's float dtype.
       block_size: rows of ``x`` scored against all of ``y`` at once; any
         value >= 1 (the last block is masked where B is not a multiple).
 
@@ -198,7 +202,7 @@ def sigmoid_contrastive(
     """
     name = "sigmoid_contrastive"
     x, y = _checked_pair(name, x, y)
-    scale = _checked_scalar(name, "logit_scale", logit_scale)
-    bias = _checked_scalar(name, "logit_bias", logit_bias)
+    scale = _checked_scalar(name, "logit_scale", logit_scale, x, y)
+    bias = _checked_scalar(name, "logit_bias", logit_bias, x, y)
     block_size = _checked_block_size(name, block_size, x.shape[0])
     return _contrastive.sigmoid_contrastive(x, y, scale, bias, block_size)

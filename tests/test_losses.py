@@ -466,6 +466,31 @@ def test_bad_inputs_are_refused_naming_the_argument_and_the_fix(call, message):
         call(jaxaccum.losses)
 
 
+@pytest.mark.parametrize("integer", [10, np.int32(10), jnp.asarray(10, jnp.int16)])
+def test_integer_scale_and_bias_are_taken_in_the_float_dtype(integer):
+    """``logit_scale`` and ``logit_bias`` are typed ArrayLike: an int, Python
+    or an integer array, is the same number in the loss's float dtype (it
+    raised before); a bool, complex or non-scalar is still refused."""
+    x, y = _embeddings(12, 8, seed=6)
+    losses = jaxaccum.losses
+    chex.assert_trees_all_equal(
+        (
+            losses.softmax_contrastive(x, y, integer, block_size=5),
+            losses.sigmoid_contrastive(x, y, integer, -integer, block_size=5),
+        ),
+        (
+            losses.softmax_contrastive(x, y, 10.0, block_size=5),
+            losses.sigmoid_contrastive(x, y, 10.0, -10.0, block_size=5),
+        ),
+    )
+    with jax.enable_x64(True):
+        value = losses.softmax_contrastive(x.astype(np.float64), y, integer)
+        assert value.dtype == jnp.float64, value.dtype
+    for refused in (True, 1j, np.ones(1, int)):
+        with pytest.raises(ValueError, match="must be a real scalar, an int or"):
+            losses.sigmoid_contrastive(x, y, 10.0, refused)
+
+
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
 def test_inside_shard_map_on_values_that_vary_between_devices(kind):
     """Under ``shard_map`` (as ``cached_value_and_grad(mesh=...)`` runs the
