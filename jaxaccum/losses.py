@@ -162,7 +162,7 @@ def sigmoid_contrastive(
     -\frac{1}{B} \sum_{i=1}^{B} \sum_{j=1}^{B} \log \sigma(z_{ij} s_{ij}),
     \]
 
-    the sum over all B² pairs divided by B (SigLIP's normalisation, as in its
+    the sum over all \(B^2\) pairs divided by \(B\) (SigLIP's normalisation, as in its
     paper's pseudo-code and open_clip's ``SigLipLoss``; not a mean over the
     pairs). Computed a block of rows at a time, the backward recomputing each
     block's logits: memory O(B·D + block_size·B). Differentiable in ``x``,

@@ -37,6 +37,8 @@ the errors are under 1% of the bounds: they are worst cases, not estimates.
 
 import functools
 import math
+import pathlib
+import re
 
 import chex
 import jax
@@ -464,6 +466,23 @@ def test_temporaries_at_b8192_are_at_most_an_eighth_of_the_formulas():
 def test_bad_inputs_are_refused_naming_the_argument_and_the_fix(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call(jaxaccum.losses)
+
+
+def test_the_losses_docs_write_math_as_math():
+    r"""The API page renders the docstrings' \( ... \) with MathJax, as the
+    other pages do: no formula in prose (a Unicode superscript, "B²")."""
+    page = pathlib.Path(__file__).parents[1] / "docs" / "api" / "losses.md"
+    losses = jaxaccum.losses
+    texts = {
+        "jaxaccum.losses": losses.__doc__,
+        "softmax_contrastive": losses.softmax_contrastive.__doc__,
+        "sigmoid_contrastive": losses.sigmoid_contrastive.__doc__,
+        "docs/api/losses.md": page.read_text(),
+    }
+    for where, text in texts.items():
+        prose = re.sub(r"\\\(.*?\\\)|\\\[.*?\\\]", "", text, flags=re.DOTALL)
+        found = re.findall(r".{0,30}[⁰¹²³⁴⁵⁶⁷⁸⁹].{0,30}", prose)
+        assert not found, rf"{where}: a formula in prose; write it as \(...\): {found}"
 
 
 @pytest.mark.parametrize("integer", [10, np.int32(10), jnp.asarray(10, jnp.int16)])
