@@ -4,10 +4,15 @@ CLIP's and SigLIP's losses score each of B examples against every other: a
 B x B matrix of logits, 17 GB of float32 at B = 65,536, which is what runs out
 of memory first at contrastive batch sizes. Here forward and backward take a
 block of ``block_size`` rows at a time (the backward recomputes a block's
-logits rather than keeping them), so the memory is O(B·D + block_size·B) and
-the value and gradients are the formula's up to float32 rounding (the
-summation order differs). Sums are taken in float32 for bfloat16 or float16
-inputs (float64 for float64), and gradients come back in each input's dtype.
+logits rather than keeping them), so the memory is O(B·D + block_size·B).
+The value and gradients are the formula's up to float32 rounding (the
+summation order differs), and the value and the scale's gradient are no
+further from float64 than the formula computed in float32: each is a sum of
+per-row and per-column terms formed before summing, never a difference of
+sums that grow with B x ``logit_scale`` (which near convergence, at CLIP's
+scale of 100, cancel to a negative loss). Sums are taken in float32 for
+bfloat16 or float16 inputs (float64 for float64), and gradients come back in
+each input's dtype.
 
 Neither loss normalises its inputs: pass embeddings normalised as your model
 wants (CLIP and SigLIP divide each row by its norm first). ``logit_scale`` is
@@ -49,14 +54,16 @@ def _checked_pair(name: str, x: ArrayLike, y: ArrayLike) -> tuple[Array, Array]:
     return x, y
 
 
-def _checked_scalar(name: str, arg: str, value: ArrayLike) -> Array:
+def _checked_scalar(name: str, arg: str, value: ArrayLike, x: Array, y: Array) -> Array:
+    """A real scalar; an int (which has no gradient) in the loss's float dtype."""
     value = jnp.asarray(value)
-    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+    integer = jnp.issubdtype(value.dtype, jnp.integer)
+    if value.shape != () or not (integer or jnp.issubdtype(value.dtype, jnp.floating)):
         raise ValueError(
             f"{name}: {arg} has shape {value.shape} and dtype {value.dtype}; it "
-            f"must be a floating-point scalar (e.g. jnp.squeeze({arg}))."
+            f"must be a real scalar, an int or a float (e.g. jnp.squeeze({arg}))."
         )
-    return value
+    return value.astype(_contrastive.accum_dtype(x, y)) if integer else value
 
 
 def _checked_block_size(name: str, block_size: int, batch: int) -> int:
@@ -90,17 +97,21 @@ def softmax_contrastive(
     batch: open_clip's ``ClipLoss`` on one device. The rows' log-sum-exps are
     taken a block at a time, the columns' with a running max and sum across
     blocks, and the backward recomputes each block's logits: memory
-    O(B·D + block_size·B). Differentiable in ``x``, ``y`` and ``logit_scale``
-    in reverse mode (a ``jax.custom_vjp``: ``jax.grad``, not ``jax.jvp``); it
-    jits and vmaps.
+    O(B·D + block_size·B). Each row's and column's term, its log-sum-exp
+    less its positive's logit, is formed before the sum, so the value is a
+    sum of non-negative terms; it and the scale's gradient are no further
+    from float64 than the formula in float32. Differentiable in ``x``, ``y``
+    and ``logit_scale`` in reverse mode (a ``jax.custom_vjp``: ``jax.grad``,
+    not ``jax.jvp``); it jits and vmaps.
 
     Args:
       x: ``(B, D)`` embeddings of one modality (images), floating point. Not
         normalised here: divide rows by their norm first if the model does.
       y: ``(B, D)`` embeddings of the other (texts); row i pairs with row i of
         ``x``.
-      logit_scale: the multiplier of the similarities, a scalar (CLIP learns
-        its log and passes ``jnp.exp(log_scale)``, as to open_clip's loss).
+      logit_scale: the multiplier of the similarities, a real scalar (CLIP
+        learns its log and passes ``jnp.exp(log_scale)``, as to open_clip's
+        loss); an int is taken in the loss's float dtype.
       block_size: rows of ``x`` scored against all of ``y`` at once; any
         value >= 1 (B need not be a multiple: the last block is masked; a
         block_size >= B is one block).
@@ -128,7 +139,7 @@ def softmax_contrastive(
     """
     name = "softmax_contrastive"
     x, y = _checked_pair(name, x, y)
-    scale = _checked_scalar(name, "logit_scale", logit_scale)
+    scale = _checked_scalar(name, "logit_scale", logit_scale, x, y)
     block_size = _checked_block_size(name, block_size, x.shape[0])
     return _contrastive.softmax_contrastive(x, y, scale, block_size)
 
@@ -151,7 +162,7 @@ def sigmoid_contrastive(
     -\frac{1}{B} \sum_{i=1}^{B} \sum_{j=1}^{B} \log \sigma(z_{ij} s_{ij}),
     \]
 
-    the sum over all B² pairs divided by B (SigLIP's normalisation, as in its
+    the sum over all \(B^2\) pairs divided by \(B\) (SigLIP's normalisation, as in its
     paper's pseudo-code and open_clip's ``SigLipLoss``; not a mean over the
     pairs). Computed a block of rows at a time, the backward recomputing each
     block's logits: memory O(B·D + block_size·B). Differentiable in ``x``,
@@ -162,9 +173,10 @@ def sigmoid_contrastive(
       x: ``(B, D)`` embeddings of one modality, floating point; not normalised
         here.
       y: ``(B, D)`` embeddings of the other; row i pairs with row i of ``x``.
-      logit_scale: the multiplier, a scalar (SigLIP learns its log, starting
-        at ``log(10)``, and passes ``jnp.exp(log_scale)``).
-      logit_bias: added to every logit, a scalar (SigLIP starts it at -10).
+      logit_scale: the multiplier, a real scalar (SigLIP learns its log,
+        starting at ``log(10)``, and passes ``jnp.exp(log_scale)``).
+      logit_bias: added to every logit, a real scalar (SigLIP starts it at
+        -10). An int scale or bias is taken in the loss's float dtype.
       block_size: rows of ``x`` scored against all of ``y`` at once; any
         value >= 1 (the last block is masked where B is not a multiple).
 
@@ -190,7 +202,7 @@ def sigmoid_contrastive(
     """
     name = "sigmoid_contrastive"
     x, y = _checked_pair(name, x, y)
-    scale = _checked_scalar(name, "logit_scale", logit_scale)
-    bias = _checked_scalar(name, "logit_bias", logit_bias)
+    scale = _checked_scalar(name, "logit_scale", logit_scale, x, y)
+    bias = _checked_scalar(name, "logit_bias", logit_bias, x, y)
     block_size = _checked_block_size(name, block_size, x.shape[0])
     return _contrastive.sigmoid_contrastive(x, y, scale, bias, block_size)

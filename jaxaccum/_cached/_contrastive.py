@@ -37,8 +37,13 @@ def _blocks(x: Array, block_size: int) -> _Blocks:
 
 
 def _unblock(blocks: Array, batch: int) -> Array:
-    """``(num_blocks, block_size, D)`` back to the B rows."""
-    return blocks.reshape(-1, blocks.shape[-1])[:batch]
+    """``(num_blocks, block_size, ...)`` back to the B rows."""
+    return blocks.reshape(-1, *blocks.shape[2:])[:batch]
+
+
+def _diagonal(rows: Array, batch: int) -> Array:
+    """``(block_size, B)``: whether a block's logit is a positive pair's."""
+    return rows[:, None] == jnp.arange(batch)[None, :]
 
 
 def accum_dtype(*arrays: Array) -> jnp.dtype:
@@ -52,14 +57,14 @@ def _dot_rows(x_block: Array, y: Array, accum: jnp.dtype) -> Array:
 
 
 def _pull_back(
-    grad_logits: Array, raw: Array, x_block: Array, y: Array, scale: Array
-) -> tuple[Array, Array, Array]:
-    """A block's cotangents of ``x_block``, ``y`` and the scale, given the
-    cotangent of its logits ``scale * raw (+ bias)``."""
+    grad_logits: Array, x_block: Array, y: Array, scale: Array
+) -> tuple[Array, Array]:
+    """A block's cotangents of ``x_block`` and ``y``, given the cotangent of
+    its logits ``scale * x_block @ y.T (+ bias)``."""
     accum = grad_logits.dtype
     dx_block = scale * jnp.dot(grad_logits, y, preferred_element_type=accum)
     dy = scale * jnp.dot(grad_logits.T, x_block, preferred_element_type=accum)
-    return dx_block, dy, jnp.sum(grad_logits * raw)
+    return dx_block, dy
 
 
 def _zero(accum: jnp.dtype, *arrays: Array) -> Array:
@@ -70,6 +75,19 @@ def _zero(accum: jnp.dtype, *arrays: Array) -> Array:
         (jnp.zeros_like(a, dtype=accum, shape=()) for a in arrays),
         start=jnp.zeros((), accum),
     )
+
+
+def _cotangent_of(primal: Array, cotangent: Array) -> Array:
+    """``cotangent`` as ``primal``'s: its dtype, and under ``shard_map`` its
+    type. An input the same on every device (a replicated temperature, an
+    all-gathered ``y``) gets the sum of the devices' cotangents, as JAX's own
+    transpose of the implicit ``pvary`` gives it; JAX refuses a varying one."""
+    extra = set(jax.typeof(cotangent).manual_axis_type.varying) - set(
+        jax.typeof(primal).manual_axis_type.varying
+    )
+    if extra:
+        cotangent = jax.lax.psum(cotangent, tuple(sorted(extra)))
+    return cotangent.astype(primal.dtype)
 
 
 class _SoftmaxSaved(NamedTuple):
@@ -90,10 +108,16 @@ def _softmax_forward(
 
     @jax.named_scope("softmax_contrastive_block")
     def body(carry, block):
-        col_max, col_sum, row_total = carry
-        x_block, valid = block
+        col_max, col_sum = carry
+        x_block, valid, rows = block
         logits = scale_accum * _dot_rows(x_block, y, accum)
-        row_lse = jax.nn.logsumexp(logits, axis=1)
+        # The positive is the block's own diagonal entry, the very number its
+        # row's and column's max and sum saw: a row's or column's term,
+        # (max - positive) + log(sum), is then >= 0, and exactly 0 where the
+        # positive dominates.
+        positive = jnp.sum(jnp.where(_diagonal(rows, batch), logits, 0), axis=1)
+        row_max = jnp.max(logits, axis=1)
+        row_log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=1))
         # The columns' log-sum-exp, online: a running max and a sum scaled to
         # it (block 0 always holds row 0, so the max is finite after it).
         masked = jnp.where(valid[:, None], logits, -jnp.inf)
@@ -101,22 +125,20 @@ def _softmax_forward(
         col_sum = col_sum * jnp.exp(col_max - new_max) + jnp.sum(
             jnp.exp(masked - new_max), axis=0
         )
-        row_total = row_total + jnp.sum(jnp.where(valid, row_lse, 0))
-        return (new_max, col_sum, row_total), row_lse
+        row_term = (row_max - positive) + row_log_sum
+        return (new_max, col_sum), (row_max + row_log_sum, row_term, positive)
 
     zero = _zero(accum, x, y, scale)
-    start = (
-        jnp.full(batch, -jnp.inf, accum) + zero,
-        jnp.zeros(batch, accum) + zero,
-        zero,
+    start = (jnp.full(batch, -jnp.inf, accum) + zero, jnp.zeros(batch, accum) + zero)
+    (col_max, col_sum), (row_lse, row_term, positive) = jax.lax.scan(
+        body, start, tuple(blocks)
     )
-    (col_max, col_sum, row_total), row_lse = jax.lax.scan(
-        body, start, (blocks.x, blocks.valid)
-    )
-    col_lse = col_max + jnp.log(col_sum)
-    positives = scale_accum * jnp.sum(x.astype(accum) * y.astype(accum), dtype=accum)
-    loss = (row_total + jnp.sum(col_lse) - 2 * positives) / (2 * batch)
-    return loss, _SoftmaxSaved(x, y, scale, row_lse, col_lse)
+    col_term = (col_max - _unblock(positive, batch)) + jnp.log(col_sum)
+    # A sum of non-negative terms: the value is as close to float64 as the
+    # formula's (a difference of sums that grow with B x scale was not).
+    total = jnp.sum(jnp.where(blocks.valid, row_term, 0)) + jnp.sum(col_term)
+    loss = total / (2 * batch)
+    return loss, _SoftmaxSaved(x, y, scale, row_lse, col_lse=col_max + jnp.log(col_sum))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -132,35 +154,47 @@ def _softmax_backward(
     accum, batch = row_lse.dtype, x.shape[0]
     scale_accum = scale.astype(accum)
     # d loss / d logits = (softmax over the row + softmax over the column
-    # - 2 on the diagonal) / 2B; the diagonal's part is added after the scan.
+    # - 2 on the diagonal) / 2B. The scan takes the off-diagonal entries; a
+    # diagonal one is minus its row's and column's off-diagonal probabilities,
+    # which near convergence are tiny where 1 - p_ii would lose them.
     weight = cotangent.astype(accum) / (2 * batch)
+    raw_positive = jnp.sum(x.astype(accum) * y.astype(accum), axis=1)
     blocks = _blocks(x, block_size)
 
     @jax.named_scope("softmax_contrastive_block_vjp")
     def body(carry, block):
-        dy, dscale = carry
-        x_block, valid, row_lse_block = block
+        dy, dscale, col_off = carry
+        x_block, valid, rows, row_lse_block = block
         raw = _dot_rows(x_block, y, accum)
         logits = scale_accum * raw
-        probs = jnp.exp(logits - row_lse_block[:, None]) + jnp.exp(
-            logits - col_lse[None, :]
+        off = valid[:, None] & ~_diagonal(rows, batch)
+        row_probs = jnp.where(off, jnp.exp(logits - row_lse_block[:, None]), 0)
+        col_probs = jnp.where(off, jnp.exp(logits - col_lse[None, :]), 0)
+        dx_block, dy_block = _pull_back(
+            weight * (row_probs + col_probs), x_block, y, scale_accum
         )
-        grad_logits = jnp.where(valid[:, None], weight * probs, 0)
-        dx_block, dy_block, dscale_block = _pull_back(
-            grad_logits, raw, x_block, y, scale_accum
+        # d loss / d scale, each probability times its logit's distance from
+        # the positive's before the sum (a sum less 2 x the positives cancels).
+        row_positive = jnp.take(raw_positive, rows, mode="clip")[:, None]
+        dscale_block = jnp.sum(
+            row_probs * (raw - row_positive) + col_probs * (raw - raw_positive)
         )
-        return (dy + dy_block, dscale + dscale_block), dx_block
+        carry = (dy + dy_block, dscale + dscale_block, col_off + col_probs.sum(0))
+        return carry, (dx_block, row_probs.sum(1))
 
     zero = _zero(accum, x, y, scale, row_lse, col_lse, cotangent)
-    start = (jnp.zeros(y.shape, accum) + zero, zero)
-    (dy, dscale), dx_blocks = jax.lax.scan(
-        body, start, (blocks.x, blocks.valid, row_lse)
+    start = (jnp.zeros(y.shape, accum) + zero, zero, jnp.zeros(batch, accum) + zero)
+    (dy, dscale, col_off), (dx_blocks, row_off) = jax.lax.scan(
+        body, start, (*blocks, row_lse)
     )
-    x_accum, y_accum = x.astype(accum), y.astype(accum)
-    dx = _unblock(dx_blocks, batch) - 2 * weight * scale_accum * y_accum
-    dy = dy - 2 * weight * scale_accum * x_accum
-    dscale = dscale - 2 * weight * jnp.sum(x_accum * y_accum)
-    return dx.astype(x.dtype), dy.astype(y.dtype), dscale.astype(scale.dtype)
+    diagonal = -weight * scale_accum * (_unblock(row_off, batch) + col_off)
+    dx = _unblock(dx_blocks, batch) + diagonal[:, None] * y.astype(accum)
+    dy = dy + diagonal[:, None] * x.astype(accum)
+    return (
+        _cotangent_of(x, dx),
+        _cotangent_of(y, dy),
+        _cotangent_of(scale, weight * dscale),
+    )
 
 
 def _softmax_fwd(x, y, scale, block_size):
@@ -175,7 +209,7 @@ def _sigmoid_block(
 ) -> tuple[Array, Array, Array]:
     """A block's raw similarities, logits and labels (+1 on the diagonal)."""
     raw = _dot_rows(x_block, y, scale.dtype)
-    labels = jnp.where(rows[:, None] == jnp.arange(y.shape[0])[None, :], 1, -1)
+    labels = jnp.where(_diagonal(rows, y.shape[0]), 1, -1)
     return raw, scale * raw + bias, labels.astype(raw.dtype)
 
 
@@ -220,9 +254,8 @@ def _sigmoid_backward(
         # d/dl of -log_sigmoid(z l) is -z sigmoid(-z l).
         grad_logits = -weight * labels * jax.nn.sigmoid(-labels * logits)
         grad_logits = jnp.where(valid[:, None], grad_logits, 0)
-        dx_block, dy_block, dscale_block = _pull_back(
-            grad_logits, raw, x_block, y, scale_accum
-        )
+        dx_block, dy_block = _pull_back(grad_logits, x_block, y, scale_accum)
+        dscale_block = jnp.sum(grad_logits * raw)
         carry = (dy + dy_block, dscale + dscale_block, dbias + jnp.sum(grad_logits))
         return carry, dx_block
 
@@ -230,10 +263,10 @@ def _sigmoid_backward(
     start = (jnp.zeros(y.shape, accum) + zero, zero, zero)
     (dy, dscale, dbias), dx_blocks = jax.lax.scan(body, start, tuple(blocks))
     return (
-        _unblock(dx_blocks, batch).astype(x.dtype),
-        dy.astype(y.dtype),
-        dscale.astype(scale.dtype),
-        dbias.astype(bias.dtype),
+        _cotangent_of(x, _unblock(dx_blocks, batch)),
+        _cotangent_of(y, dy),
+        _cotangent_of(scale, dscale),
+        _cotangent_of(bias, dbias),
     )
 
 
