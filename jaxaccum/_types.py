@@ -129,7 +129,7 @@ class _Compared(_Window, _Size, _HasAux, _Pad, _Finite, _Masked):
     """What the checks that compare windows take: unscaled, unsharded."""
 
 
-class FlaxKwargs(_Window, _Size, _Pad, _Finite, _Masked, _LossScale):
+class FlaxKwargs(_Window, _Size, _Pad, _Finite, _Masked, _LossScale, _AxisName):
     """The options of the Flax front ends, which set the argument roles and
     take ``has_aux`` themselves."""
 
@@ -138,7 +138,7 @@ class FilterKwargs(FlaxKwargs, _HasAux, _BatchRoles, _State):
     """The options of the Equinox front ends, which differentiate the model."""
 
 
-class AccumKwargs(FilterKwargs, _Argnums, _AxisName):
+class AccumKwargs(FilterKwargs, _Argnums):
     """The options of :func:`jaxaccum.value_and_grad` and :func:`jaxaccum.grad`."""
 
 

@@ -39,8 +39,8 @@ def value_and_grad(
     Args:
       fun: the loss, ``fun(*args, **kwargs)``: a scalar (``(loss, aux)`` with
         ``has_aux``; ``(loss_sum, weight)`` with ``reduction="weighted"``).
-      num_microbatches: ``N``; must divide the batch size (unless ``pad``).
-        Exactly one of it and ``microbatch_size``.
+      num_microbatches: ``N``, dividing the batch size (unless ``pad``); or
+        ``microbatch_size``.
       **options: the keyword options below.
 
     Keyword Args:
@@ -55,8 +55,8 @@ def value_and_grad(
         ``"weighted"`` (``sum(loss_sum) / sum(weight)``; 0 at weight 0).
       aux_reduction: ``"mean"``, ``"sum"``, ``"stack"``, ``"concat"`` or
         ``"last"``, or a pytree prefix of the aux output mapping leaves to them.
-      accum_dtype: dtype float gradients accumulate in (at least); ``None``
-        keeps each gradient's own dtype. Results come back in their own dtype.
+      accum_dtype: a floating dtype gradients sum in (at least), or ``None``;
+        results come back in their own dtypes.
       pad: pad a batch that ``N`` does not divide; ``fun`` then takes
         ``example_mask=``, and ``reduction`` is ``"weighted"`` or ``"sum"``.
       unroll: passed to ``jax.lax.scan``.
@@ -66,16 +66,17 @@ def value_and_grad(
       masked: ``N`` is a maximum: the call's ``active_microbatches`` (traced
         under ``jit``) says how many micro-batches one program computes.
       loss_scale: the call's ``loss_scale=`` (a :class:`DynamicLossScale`)
-        scales every micro-batch's loss; the gradients come back unscaled and
-        the report is a :class:`LossScaleReport` (finite, the next scale).
-        Guide: [Mixed precision](../guides/mixed-precision.md).
+        scales every micro-batch's loss; the gradients come back unscaled, the
+        report a :class:`LossScaleReport` ([guide](../guides/mixed-precision.md)).
+      axis_name: ``fun``'s collectives over this axis name (BatchNorm's,
+        ``all_gather``, ``psum``) meet across the micro-batches: the window is
+        ``jax.vmap(fun, axis_name=axis_name)`` over them, reduced.
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``
       (``((value, aux), grads)`` with ``has_aux``), ``grads`` like
       ``args[argnums]``; with ``state_argnums``, ``(that, new_state)``; with
-      ``report_finite``, ``report_stats`` or ``loss_scale``, ``(all that,
-      report)``.
+      a report option, ``(all that, report)``.
 
     Raises:
       TypeError: for an unknown or ill-typed option or non-float ``argnums``.

@@ -109,6 +109,9 @@ def filter_value_and_grad(
       loss_scale: the call's ``loss_scale=`` (a :class:`jaxaccum.DynamicLossScale`)
         scales every micro-batch's loss; the report is a
         :class:`jaxaccum.LossScaleReport`.
+      axis_name: the window as a named axis, as for
+        :func:`jaxaccum.value_and_grad` (a BatchNorm under the per-example
+        ``jax.vmap``: ``eqx.nn.BatchNorm(..., axis_name=("batch", axis_name))``).
 
     Returns:
       ``accumulated(model, *args, **kwargs)`` returning ``(value, grads)``

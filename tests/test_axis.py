@@ -200,3 +200,104 @@ def test_no_collective_over_the_axis_is_the_plain_window():
     named = jax.jit(jaxaccum.value_and_grad(mean_loss, 4, axis_name=AXIS))
     chex.assert_trees_all_equal(named(params, batch), plain(params, batch))
     assert named.lower(params, batch).as_text() == plain.lower(params, batch).as_text()
+
+
+def _nnx_model():
+    from flax import nnx
+
+    rngs = nnx.Rngs(0)
+    kw = dict(param_dtype=jnp.float64, dtype=jnp.float64)
+    return nnx.Sequential(
+        nnx.Linear(3, 8, rngs=rngs, **kw),
+        nnx.BatchNorm(8, axis_name=AXIS, rngs=rngs, **kw),
+        jnp.tanh,
+        nnx.Linear(8, 1, rngs=rngs, **kw),
+    )
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 8, BATCH])
+def test_nnx_batchnorm_is_the_big_batchs(num_microbatches):
+    """nnx.BatchNorm(axis_name=...) through nnx_value_and_grad: the value,
+    the gradients and the model's running averages are the big batch's."""
+    from flax import nnx
+
+    import jaxaccum.flax
+
+    with jax.enable_x64():
+        _, batch = tower_problem()
+
+        def loss(model, batch):
+            return jnp.mean((model(batch["x"])[:, 0] - batch["y"][:, 0]) ** 2)
+
+        model = _nnx_model()
+        big_model = nnx.clone(model)
+
+        def whole(model, batch):
+            one = jax.tree.map(lambda a: a[None], batch)
+            return nnx.vmap(loss, in_axes=(None, 0), axis_name=AXIS)(model, one)[0]
+
+        want_value, want_grads = nnx.value_and_grad(whole)(big_model, batch)
+        step = jaxaccum.flax.nnx_value_and_grad(loss, num_microbatches, axis_name=AXIS)
+        value, grads = nnx.jit(step)(model, batch)
+        assert_close(value, want_value, FLOAT64_TOL, "value")
+        assert_close(
+            nnx.to_pure_dict(grads), nnx.to_pure_dict(want_grads), FLOAT64_TOL, "grads"
+        )
+        stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+        want_stats = nnx.to_pure_dict(nnx.state(big_model, nnx.BatchStat))
+        assert_close(stats, want_stats, FLOAT64_TOL, "running averages")
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 8, BATCH])
+def test_equinox_batchnorm_under_the_per_example_vmap(num_microbatches):
+    """eqx.nn.BatchNorm with ("batch", "window"), called under the
+    per-example jax.vmap: the psum over (0, "window") meets across the
+    window. Value, gradients and the new state are the big batch's."""
+    import equinox as eqx
+
+    import jaxaccum.equinox
+
+    with jax.enable_x64():
+        _, batch = tower_problem()
+        keys = jax.random.split(jax.random.key(2), 2)
+        linear = eqx.nn.Linear(3, 4, key=keys[0], dtype=jnp.float64)
+        norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+            4, axis_name=("batch", AXIS), mode="ema", dtype=jnp.float64
+        )
+        model = (linear, norm)
+
+        def loss(model, batch, state):
+            linear, norm = model
+            hidden = jax.vmap(linear)(batch["x"])
+            out, state = jax.vmap(
+                norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+            )(hidden, state)
+            return jnp.mean((out[:, 0] - batch["y"][:, 0]) ** 2), state
+
+        def whole(model, batch, state):
+            one = jax.tree.map(lambda a: a[None], batch)
+            out = eqx.filter_vmap(
+                loss, in_axes=(None, 0, None), out_axes=(0, None), axis_name=AXIS
+            )(model, one, state)
+            return out[0][0], out[1]
+
+        (want_value, want_state), want_grads = eqx.filter_value_and_grad(
+            whole, has_aux=True
+        )(model, batch, state)
+        step = jaxaccum.equinox.filter_value_and_grad(
+            loss, num_microbatches, axis_name=AXIS, state_argnums=2
+        )
+        (value, grads), new_state = eqx.filter_jit(step)(model, batch, state)
+        assert_close(value, want_value, FLOAT64_TOL, "value")
+        assert_close(
+            eqx.filter(grads, eqx.is_inexact_array),
+            eqx.filter(want_grads, eqx.is_inexact_array),
+            FLOAT64_TOL,
+            "grads",
+        )
+        assert_close(
+            eqx.filter(new_state, eqx.is_inexact_array),
+            eqx.filter(want_state, eqx.is_inexact_array),
+            FLOAT64_TOL,
+            "state",
+        )

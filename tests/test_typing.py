@@ -73,6 +73,8 @@ WRONG = [
     "acc.cached_value_and_grad(loss, loss, 4, acum_dtype=None)",
     "acc.cached_value_and_grad(loss, loss, 4, state_argnums=2)",
     "acc.cached_value_and_grad(loss, loss, 4, data_axis=3)",
+    "acc.value_and_grad(loss, 4, axis_nme='window')",
+    "flax_acc.linen_value_and_grad(loss, 2, axis_name=['window'])",
     "losses.softmax_contrastive(x, x, 10.0, blocksize=4)",
     'losses.sigmoid_contrastive(x, x, 10.0, -10.0, block_size="4")',
     'misspelt: acc.ScheduleName = "zb"',
@@ -86,6 +88,9 @@ RIGHT = [
     "acc.value_and_grad(loss, 4, pad=True, reduction='weighted', masked=True)",
     "acc.grad(loss, 4, accum_dtype=None, loss_scale=True, unroll=2)",
     "acc.value_and_grad(loss, 4, microbatch_size=None)",  # the default
+    "acc.value_and_grad(loss, 4, axis_name='window', state_argnums=2)",
+    "eqx_acc.filter_value_and_grad(loss, 2, axis_name='window')",
+    "flax_acc.nnx_value_and_grad(loss, 2, axis_name='window')",
     "acc.pipeline_value_and_grad(loss, loss, 4, param_gather='window')",
     "acc.plan_pipeline(loss, loss, params, x, memory_budget=1, grad_reduce='auto')",
     "acc.shard_value_and_grad(loss, 4, mesh=mesh, grad_reduce='window')",
@@ -298,6 +303,7 @@ def _valid_values(key: str, hint) -> list:
             "gather_dtype": jnp.bfloat16,
             "mesh": None,  # the default: the one set with jax.set_mesh, or none
             "data_axis": None,
+            "axis_name": "window",
         }.get(key, False)  # has_aux, pad, masked, loss_scale: their default
     ]
 
