@@ -301,3 +301,100 @@ def test_equinox_batchnorm_under_the_per_example_vmap(num_microbatches):
             FLOAT64_TOL,
             "state",
         )
+
+
+def layer_scan_loss(params, batch):
+    """Residual layers in a lax.scan, a BatchNorm over the window in each:
+    the scan's body is cut at each layer's collective."""
+
+    def layer(h, weight):
+        mean = lax.pmean(jnp.mean(h, 0), AXIS)
+        var = lax.pmean(jnp.mean((h - mean) ** 2, 0), AXIS)
+        normed = (h - mean) * lax.rsqrt(var + 1e-5)
+        return h + jnp.tanh(normed @ weight), jnp.mean(normed)
+
+    h, means = lax.scan(layer, batch["x"] @ params["image"], params["layers"])
+    return jnp.mean(h**2) + jnp.sum(means)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 8])
+def test_a_layer_scan_with_batchnorm_inside(num_microbatches):
+    """lax.scan over layers (flax.linen.scan's and Equinox's layer scans
+    lower to it) with a BatchNorm over the window in its body: exact."""
+    with jax.enable_x64():
+        params, batch = tower_problem()
+        params["layers"] = jax.random.normal(jax.random.key(5), (3, 4, 4)) / 2
+        want = big_batch(layer_scan_loss, params, batch, has_aux=False)
+        step = jaxaccum.value_and_grad(
+            layer_scan_loss, num_microbatches, axis_name=AXIS
+        )
+        assert_close(jax.jit(step)(params, batch), want, FLOAT64_TOL, "layer scan")
+
+
+def _loop_psum(params, batch):
+    def body(carry):
+        i, h = carry
+        return i + 1, h + lax.psum(jnp.mean(h), AXIS)
+
+    _, h = lax.while_loop(lambda c: c[0] < 3, body, (0, batch["x"]))
+    return jnp.mean(h)
+
+
+def _cond_psum(params, batch):
+    x = batch["x"] @ params["image"]
+    return jnp.mean(
+        lax.cond(params["scale"] > 0, lambda x: lax.psum(x, AXIS), lambda x: x, x)
+    )
+
+
+@jax.custom_vjp
+def _custom(x):
+    return lax.psum(x, AXIS)
+
+
+_custom.defvjp(lambda x: (_custom(x), None), lambda _, g: (g,))
+
+
+def _custom_vjp_psum(params, batch):
+    return jnp.mean(_custom(batch["x"] @ params["image"]))
+
+
+def _ppermute(params, batch):
+    x = batch["x"] @ params["image"]
+    return jnp.mean(lax.ppermute(x, AXIS, [(0, 1), (1, 0)]) * x)
+
+
+def _psum_scatter(params, batch):
+    x = batch["x"] @ params["image"]
+    return jnp.mean(lax.psum_scatter(x, AXIS, tiled=True))
+
+
+@pytest.mark.parametrize(
+    ("loss", "named"),
+    [
+        (_loop_psum, "while_loop"),
+        (_cond_psum, "cond"),
+        (_custom_vjp_psum, "custom_vjp"),
+        (_ppermute, "ppermute over the window"),
+        (_psum_scatter, "over the window's axis 'window' is not supported"),
+    ],
+    ids=["while_loop", "cond", "custom_vjp", "ppermute", "psum_scatter"],
+)
+def test_collectives_it_cannot_compute_are_refused_by_name(loss, named):
+    params, batch = tower_problem(jnp.float32)
+    step = jaxaccum.value_and_grad(loss, 2, axis_name=AXIS)
+    with pytest.raises(TypeError, match=named):
+        step(params, batch)
+
+
+def test_bad_axis_options_are_refused_when_built():
+    with pytest.raises(TypeError, match="axis_name must be hashable"):
+        jaxaccum.value_and_grad(clip_loss, 2, axis_name=["window"])
+    with pytest.raises(ValueError, match="axis_name='window' with pad"):
+        jaxaccum.value_and_grad(clip_loss, 2, axis_name=AXIS, pad=True, reduction="sum")
+    with pytest.raises(ValueError, match="axis_name='window' with masked"):
+        jaxaccum.value_and_grad(clip_loss, 2, axis_name=AXIS, masked=True)
+    with pytest.raises(TypeError, match="does not take axis_name: the schedule"):
+        jaxaccum.pipeline_value_and_grad(clip_loss, clip_loss, 2, axis_name=AXIS)
+    with pytest.raises(TypeError, match="does not take axis_name: the loss already"):
+        jaxaccum.cached_value_and_grad(clip_loss, clip_loss, 2, axis_name=AXIS)

@@ -21,7 +21,6 @@ _CONSTRUCTS = {
     "custom_vjp_call": "a jax.custom_vjp function",
     "custom_vjp_call_jaxpr": "a jax.custom_vjp function",
     "custom_jvp_call": "a jax.custom_jvp function",
-    "scan": "jax.lax.scan (a layer scan: flax.linen.scan, an Equinox scan)",
 }
 
 
@@ -139,6 +138,14 @@ def _flatten(
                 if not isinstance(v, DropVar):
                     names[v] = result
             continue
+        if name == "scan" and over_window(eqn, axis_name):
+            results = _unrolled_scan(
+                eqn, args, (*scope, number), out, constants, axis_name
+            )
+            for v, result in zip(eqn.outvars, results, strict=True):
+                if not isinstance(v, DropVar):
+                    names[v] = result
+            continue
         if name not in WINDOW_COLLECTIVES and over_window(eqn, axis_name):
             raise_unsupported(name, axis_name)
         outs = tuple(None if isinstance(v, DropVar) else key(v) for v in eqn.outvars)
@@ -153,6 +160,67 @@ def _flatten(
             )
         )
     return [key(v) for v in jaxpr.outvars]
+
+
+def _unrolled_scan(
+    eqn: Any, args: list, scope: tuple, out: list, constants: dict, axis_name: Any
+) -> list:
+    """A ``lax.scan`` whose body holds a collective over the window (a layer
+    scan with BatchNorm inside), unrolled into ``out``: each step's body
+    flattened on its slice of ``xs``, so that each step is cut as the body
+    would be written out; returns the final carry's and the stacked ``ys``'
+    keys."""
+    params = eqn.params
+    body, num_consts, num_carry = (
+        params["jaxpr"],
+        params["num_consts"],
+        params["num_carry"],
+    )
+    consts, carry, xs = (
+        args[:num_consts],
+        args[num_consts : num_consts + num_carry],
+        args[num_consts + num_carry :],
+    )
+    body_keys = [(scope, "const", i) for i in range(len(body.consts))]
+    constants.update(zip(body_keys, body.consts, strict=True))
+    steps = range(params["length"])
+    ys_by_step: dict = {}
+    for step in reversed(steps) if params["reverse"] else steps:
+        sliced = []
+        for j, x in enumerate(xs):
+            key = (scope, "x", step, j)
+            out.append(_synthetic("index_in_dim", _take(step), (x,), key))
+            sliced.append(key)
+        results = _flatten(
+            body.jaxpr,
+            [*body_keys, *consts, *carry, *sliced],
+            (*scope, step),
+            out,
+            constants,
+            axis_name,
+        )
+        carry, ys_by_step[step] = results[:num_carry], results[num_carry:]
+    stacked = []
+    for j in range(len(eqn.outvars) - num_carry):
+        key = (scope, "y", j)
+        ys = tuple(ys_by_step[step][j] for step in steps)
+        out.append(_synthetic("stack", _stack, ys, key))
+        stacked.append(key)
+    return [*carry, *stacked]
+
+
+def _take(step: int) -> Callable[[Any], Any]:
+    return lambda x: jax.lax.index_in_dim(x, step, 0, keepdims=False)
+
+
+def _stack(*ys: Any) -> Any:
+    return jax.numpy.stack(ys)
+
+
+def _synthetic(name: str, bind: Callable, inputs: tuple, output: Any) -> Equation:
+    """An equation of the unrolled scan's own (a slice of ``xs``, the stacked
+    ``ys``), bound by a function."""
+    return Equation(name, bind, {}, inputs, (output,), False)
 
 
 def raise_unsupported(name: str, axis_name: Any) -> None:

@@ -81,6 +81,9 @@ REFUSED: dict[str, str] = {
     "report_finite": "check the value and gradients it returns with jnp.isfinite.",
     "report_stats": "the window sums pullbacks of one whole-batch loss, not "
     "micro-batch gradients, so it has no micro-batch moments to report.",
+    "axis_name": "the loss already sees the whole batch's outputs; for a loss "
+    "written with collectives (all_gather, BatchNorm's axis_name), use "
+    "jaxaccum.value_and_grad(fun, N, axis_name=...).",
 }
 
 

@@ -108,6 +108,11 @@ PIPELINE_REFUSED: dict[str, str] = {
         "every micro-batch flows through every stage with one shape: pass a "
         "batch that M (times the data shards) divides."
     ),
+    "axis_name": (
+        "the schedule runs the micro-batches at different stages at once, so "
+        "a collective across them (BatchNorm's statistics over the window) "
+        "cannot meet; keep batch statistics out of pipelined stages."
+    ),
     "masked": (
         "the schedule's ticks are fixed when it is compiled: build a step "
         "per window length."
