@@ -18,6 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import lax
 
 import jaxaccum
@@ -398,3 +400,137 @@ def test_bad_axis_options_are_refused_when_built():
         jaxaccum.pipeline_value_and_grad(clip_loss, clip_loss, 2, axis_name=AXIS)
     with pytest.raises(TypeError, match="does not take axis_name: the loss already"):
         jaxaccum.cached_value_and_grad(clip_loss, clip_loss, 2, axis_name=AXIS)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_a_recomputed_segment_draws_the_same_bits(num_microbatches):
+    """Keys in key_argnums are split per micro-batch as the core splits
+    them; the backward recomputes each segment and must draw the masks its
+    forward drew. The gradient of sum(mask * w) is the sum of the masks, a
+    small integer in each entry: exact in any order, so the gradient equals
+    the forward's masks (returned as aux) bit for bit."""
+    rows, width = BATCH // num_microbatches, 4
+
+    def loss(weights, batch, key):
+        mask = jax.random.bernoulli(key, 0.5, (rows, width)).astype(jnp.float32)
+        dropped = mask * weights * batch["x"][:, :1] ** 0
+        coupled = lax.psum(jnp.sum(dropped), AXIS)  # a cut: segments recompute
+        return jnp.sum(dropped) + 0.0 * coupled, mask
+
+    weights = jnp.ones((rows, width))
+    _, batch = tower_problem(jnp.float32)
+    step = jaxaccum.value_and_grad(
+        loss,
+        num_microbatches,
+        axis_name=AXIS,
+        key_argnums=2,
+        has_aux=True,
+        reduction="sum",
+        aux_reduction="stack",
+    )
+    (_, masks), grads = jax.jit(step)(weights, batch, jax.random.key(7))
+    chex.assert_trees_all_equal(grads, jnp.sum(masks, axis=0))
+    assert 0 < float(jnp.mean(masks)) < 1  # the masks drop something
+
+
+def _coupled_loss(params, batch, key, *, reduction, has_aux, dropout):
+    """BatchNorm over the window, then in-batch negatives through
+    all_gather; per-example weights for the weighted reduction."""
+    hidden = batch["x"] @ params["image"]
+    mean = lax.pmean(jnp.mean(hidden, 0), AXIS)
+    var = lax.pmean(jnp.mean((hidden - mean) ** 2, 0), AXIS)
+    image = jnp.tanh((hidden - mean) * lax.rsqrt(var + 1e-5))
+    if dropout:
+        keep = jax.random.bernoulli(key, 0.75, image.shape)
+        image = jnp.where(keep, image / 0.75, 0.0)
+    texts = lax.all_gather(jnp.tanh(batch["y"] @ params["text"]), AXIS, tiled=True)
+    rows = image.shape[0]
+    labels = lax.axis_index(AXIS) * rows + jnp.arange(rows)
+    log_probs = jax.nn.log_softmax(params["scale"] * image @ texts.T)
+    per_example = -jnp.take_along_axis(log_probs, labels[:, None], axis=1)[:, 0]
+    if reduction == "weighted":
+        loss = (jnp.sum(per_example * batch["w"]), jnp.sum(batch["w"]))
+    else:
+        loss = jnp.mean(per_example) if reduction == "mean" else jnp.sum(per_example)
+    aux = {"norm": jnp.mean(image**2), "rows": per_example}
+    return (loss, aux) if has_aux else loss
+
+
+def _vmapped_reference(loss, params, batch, key, num, reduction, aux_reduction):
+    """The contract: jax.vmap(loss, axis_name) over the N strided
+    micro-batches, the reduction applied to their results."""
+    micro = jaxaccum.split_batch(batch, num)
+    keys = jax.random.split(key, num) if num > 1 else key[None]
+
+    def window(params):
+        out = jax.vmap(loss, in_axes=(None, 0, 0), axis_name=AXIS)(params, micro, keys)
+        value, aux = out if isinstance(out[1], dict) else (out, None)
+        if reduction == "weighted":
+            total = jnp.sum(value[0]) / jnp.sum(value[1])
+        else:
+            total = jnp.mean(value) if reduction == "mean" else jnp.sum(value)
+        return total, aux
+
+    (value, aux), grads = jax.value_and_grad(window, has_aux=True)(params)
+    if aux is not None:
+        rows = jnp.swapaxes(aux["rows"], 0, 1).reshape(-1)
+        norm = aux["norm"]
+        aux = {
+            "norm": jnp.mean(norm) if aux_reduction == "mean" else norm[-1],
+            "rows": rows,
+        }
+        return (value, aux), grads
+    return value, grads
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    num=st.sampled_from([1, 2, 4, 8]),
+    by_size=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum", "weighted"]),
+    has_aux=st.booleans(),
+    aux_reduction=st.sampled_from(["mean", "last"]),
+    dropout=st.booleans(),
+    accum_dtype=st.sampled_from([jnp.float32, None]),
+    unroll=st.sampled_from([1, 2, True]),
+    remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
+)
+def test_property_any_options_are_the_vmapped_window(
+    num, by_size, reduction, has_aux, aux_reduction, dropout, accum_dtype, unroll, remat
+):
+    """Over the options, the window equals jax.vmap(fun, axis_name) over
+    its micro-batches with the options' reduction (float64, 1e-12)."""
+    with jax.enable_x64():
+        params, batch = tower_problem()
+        batch["w"] = jnp.arange(BATCH, dtype=jnp.float64) % 3
+        key = jax.random.key(11)
+
+        def loss(params, batch, key):
+            return _coupled_loss(
+                params,
+                batch,
+                key,
+                reduction=reduction,
+                has_aux=has_aux,
+                dropout=dropout,
+            )
+
+        options = dict(
+            axis_name=AXIS,
+            key_argnums=2,
+            reduction=reduction,
+            has_aux=has_aux,
+            aux_reduction={"norm": aux_reduction, "rows": "concat"},
+            accum_dtype=accum_dtype,
+            unroll=unroll,
+            remat=remat,
+        )
+        size = {"microbatch_size": BATCH // num} if by_size else {}
+        step = jaxaccum.value_and_grad(
+            loss, None if by_size else num, **size, **options
+        )
+        got = jax.jit(step)(params, batch, key)
+        want = _vmapped_reference(
+            loss, params, batch, key, num, reduction, aux_reduction
+        )
+        assert_close(got, want, FLOAT64_TOL, str(options))
