@@ -14,7 +14,7 @@ gradients come back as a pytree like the model with ``None`` where Equinox puts
 State (``eqx.nn.State``, e.g. BatchNorm's running statistics) named in
 ``state_argnums`` is carried through the micro-batches in order, as ``N``
 sequential training-mode passes leave it: the semantics of the Flax helpers
-(see ``jaxaccum.flax`` on why BatchNorm cannot match the big batch). PRNG keys
+(see ``jaxaccum.flax``: BatchNorm over the window with ``axis_name=``). PRNG keys
 named in ``key_argnums`` are split per micro-batch.
 
 With :class:`jaxaccum.MultiSteps`, the usual Equinox pattern works unchanged:

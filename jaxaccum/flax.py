@@ -8,21 +8,16 @@ in order (micro-batch ``k`` sees the state micro-batch ``k - 1`` left), so after
 a window it is what ``N`` sequential forward passes in training mode leave,
 which is what PyTorch and Keras do when they accumulate.
 
-BatchNorm cannot match the big batch. In training mode it normalizes each
-example with the mean and variance of the batch it is in, so an example's
-output, and the gradient, depend on the other examples: with micro-batches the
-statistics come from ``B / N`` examples instead of ``B``, and no single-pass
-accumulation can give the big-batch gradient (a multi-pass scheme can, with
-one forward sweep over the micro-batches per BatchNorm layer for the
-full-batch statistics before the gradient pass; :func:`linen_diagnose`,
-:func:`nnx_diagnose` and ``jaxaccum.testing.diagnose`` name this). The running
-statistics also average ``N`` micro-batch estimates, which are noisier than one
-big-batch estimate. Micro-batch statistics are acceptable when a micro-batch is
-large enough to estimate them (a few dozen examples per BatchNorm, as in
-data-parallel training, where each device normalizes over its own shard
-anyway). Otherwise use a per-example normalization, which makes the model exact
-under accumulation: ``GroupNorm`` for convolutional networks, ``LayerNorm`` (or
-``RMSNorm``) elsewhere.
+BatchNorm normalizes each example with the statistics of the batch it is in.
+By default that batch is the micro-batch (``B / N`` examples, as each device's
+shard under data parallelism), so the gradient is not the big batch's and the
+running statistics average ``N`` noisier estimates (:func:`linen_diagnose`,
+:func:`nnx_diagnose` and ``jaxaccum.testing.diagnose`` name this). Give
+BatchNorm an ``axis_name`` and pass the same ``axis_name=`` here: the window
+is then an axis its statistics are taken over, and the statistics, the
+gradient and the running averages (updated once a window) are the big
+batch's. Per-example normalizations (``GroupNorm``, ``LayerNorm``,
+``RMSNorm``) are exact either way. Guide: docs/guides/flax.md#batchnorm.
 """
 
 # Checked before the modules that use it, so that a missing extra names its

@@ -77,8 +77,11 @@ def test_names_batchnorm(mlp, num_microbatches):
     assert kinds(diagnosis) == ["batch_dependent"], report
     assert "BatchNorm" in diagnosis.causes[0].message
     assert "['batch_stats']['BatchNorm_0']['mean']" in report  # the state named
+    # The exact path for BatchNorm itself: the window as its axis (issue 67).
+    message = diagnosis.causes[0].message  # the report wraps its lines
+    assert "axis_name=" in message and "flax.md#batchnorm" in message, message
     # Where the examples meet after a per-example encoder, the exact path.
-    assert "jaxaccum.cached_value_and_grad is exact" in report, report
+    assert "jaxaccum.cached_value_and_grad is exact" in message, message
     assert "docs/guides/whole-batch.md" in report, report
     assert diagnosis.interaction > 1e-2, report
     # The price of micro-batch statistics, in the failure message if it changes.
