@@ -534,3 +534,96 @@ def test_property_any_options_are_the_vmapped_window(
             loss, params, batch, key, num, reduction, aux_reduction
         )
         assert_close(got, want, FLOAT64_TOL, str(options))
+
+
+def _benchmark():
+    """benchmarks/axis.py: its models are the figures' (issue 67)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import axis
+
+    return axis
+
+
+def _mlp_problem(width, batch_size, blocks):
+    params = [
+        (jnp.zeros((width, 4 * width)), jnp.zeros((4 * width, width)))
+        for _ in range(blocks)
+    ]
+    batch = {"x": jnp.zeros((batch_size, width)), "y": jnp.zeros((batch_size, width))}
+    return params, batch
+
+
+@pytest.mark.parametrize(("every", "bound"), [(8, 0.12), (1, 0.5)])
+def test_memory_keeps_the_values_that_cross_a_cut(every, bound):
+    """The issue's figure, compiled (nothing runs): 8 residual blocks of
+    width 512 (hidden 2048) at B = 4096, N = 16 hold at most 0.12x the full
+    batch's temporaries with a BatchNorm before every 8th block, 0.5x with
+    one before every block: the window keeps BatchNorm's inputs, not the
+    activations."""
+    bench = _benchmark()
+    params, batch = _mlp_problem(512, 4096, 8)
+    full = bench.temp_bytes(
+        jax.value_and_grad(bench.mlp_loss(every, False)), params, batch
+    )
+    named = bench.temp_bytes(
+        jaxaccum.value_and_grad(bench.mlp_loss(every, True), 16, axis_name=AXIS),
+        params,
+        batch,
+    )
+    assert named <= bound * full, f"{named / full:.3f}x the full batch's"
+
+
+@pytest.mark.parametrize("every", [8, 1])
+def test_flops_are_one_recomputed_forward(every):
+    """At most 1.40x plain accumulation's FLOPs (the same blocks with
+    micro-batch statistics), counted on unrolled programs without CSE (XLA
+    counts a loop body once); the ratio does not depend on the size."""
+    bench = _benchmark()
+    params, batch = _mlp_problem(64, 256, 8)
+    plain = bench.counted(
+        jaxaccum.value_and_grad(bench.mlp_loss(every, False), 4, unroll=True),
+        params,
+        batch,
+    )
+    named = bench.counted(
+        jaxaccum.value_and_grad(
+            bench.mlp_loss(every, True), 4, axis_name=AXIS, unroll=True
+        ),
+        params,
+        batch,
+    )
+    assert named <= 1.40 * plain, f"{named / plain:.3f}x plain accumulation's"
+
+
+def test_clip_gathered_holds_at_most_125_percent_of_the_cached_windows():
+    """The all_gather form of CLIP against cached_value_and_grad with the
+    blockwise loss (B = 2048, N = 16): at most 1.25x its temporaries, and
+    the same result (float32 rounding)."""
+    import cached
+
+    bench = _benchmark()
+    params = cached.init(jax.random.key(0), 512)
+    keys = jax.random.split(jax.random.key(1), 2)
+    batch = {
+        tower: jax.random.normal(key, (2048, cached.FEATURES)) / 4
+        for tower, key in zip(cached.TOWERS, keys, strict=True)
+    }
+    gathered = jaxaccum.value_and_grad(bench.clip_gathered, 16, axis_name=AXIS)
+    by_cache = jaxaccum.cached_value_and_grad(
+        cached.encode, cached.clip(jaxaccum.losses.softmax_contrastive), 16
+    )
+    temps = [bench.temp_bytes(f, params, batch) for f in (gathered, by_cache)]
+    assert temps[0] <= 1.25 * temps[1], f"{temps[0] / temps[1]:.3f}x cached's"
+    # The same sums of up to B = 2048 terms in two orders: each within
+    # B * 2**-24 (relative to the sum of the terms' magnitudes) of the exact
+    # value, so within twice that of each other.
+    tol = 2 * 2048 * 2.0**-24
+    chex.assert_trees_all_close(
+        jax.jit(gathered)(params, batch),
+        jax.jit(by_cache)(params, batch),
+        rtol=tol,
+        atol=tol,
+    )
