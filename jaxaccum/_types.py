@@ -155,7 +155,9 @@ class CompareKwargs(FilterCompareKwargs, _Argnums):
     and :func:`jaxaccum.testing.diagnose`."""
 
 
-class PlanKwargs(_Window, _HasAux, _Pad, _Finite, _Argnums, _BatchRoles, _State):
+class PlanKwargs(
+    _Window, _HasAux, _Pad, _Finite, _Argnums, _BatchRoles, _State, _AxisName
+):
     """The options of :func:`jaxaccum.plan`: it chooses ``N`` and builds
     unmasked, unscaled windows."""
 

@@ -627,3 +627,20 @@ def test_clip_gathered_holds_at_most_125_percent_of_the_cached_windows():
         rtol=tol,
         atol=tol,
     )
+
+
+def test_plan_compiles_the_window_over_the_axis():
+    """plan(axis_name=...) compiles the real program, so its figures count
+    the values kept across the cuts: each row's temporaries are those of
+    value_and_grad(axis_name=...) at its N."""
+    bench = _benchmark()
+    params, batch = _mlp_problem(128, 1024, 4)
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
+    loss = bench.mlp_loss(1, True)
+    result = jaxaccum.plan(
+        loss, params, batch, memory_budget="1GiB", candidates=[4, 8], axis_name=AXIS
+    )
+    for row in result.rows:
+        step = jaxaccum.value_and_grad(loss, row.num_microbatches, axis_name=AXIS)
+        assert row.temp_bytes == bench.temp_bytes(step, params, batch)

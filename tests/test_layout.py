@@ -443,7 +443,10 @@ _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
         ("cached_value_and_grad", _CACHED_REFUSED),
         # The front ends that forward their options: what they refuse (or set
         # themselves) is what their signature leaves out.
-        ("plan", (*_COMPARED_OUT, "microbatch_size", "masked")),
+        (
+            "plan",
+            (*_shard_spec.SHARD_OPTIONS, "loss_scale", "microbatch_size", "masked"),
+        ),
         (
             "plan_modes",
             (
