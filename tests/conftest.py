@@ -128,6 +128,12 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/test_cached.py::test_float32_within_rounding_and_the_temperature_counted_once",
         "tests/test_cached_keys.py::test_key_argnums_replays_pass_one_bitwise_in_pass_two",
     ),
+    "the window as a named axis: BatchNorm, all_gather and psum the big batch's": (
+        "tests/test_axis.py::test_linen_batchnorm_is_the_big_batchs[8]",
+        "tests/test_axis.py::test_batch_coupled_losses_are_the_big_batchs[8-all_gather]",
+        "tests/test_axis.py::test_float32_within_rounding",
+        "tests/test_axis.py::test_a_recomputed_segment_draws_the_same_bits",
+    ),
     "shard_value_and_grad: data parallel sums on 1 and 8 devices, 2 processes": (
         "tests/test_distributed.py::test_one_device_mesh_equals_value_and_grad",
         "tests/test_distributed.py::test_on_eight_devices[per_microbatch_mean_auto]",
