@@ -70,3 +70,17 @@ def test_window_per_device_refuses_what_it_cannot_run():
         r"P\('data', None\) over the data axes \('data',\) \(FSDP\)",
     ):
         cached(mesh=mesh)(fsdp, batch)
+
+
+@pytest.mark.parametrize("with_mesh", [True, False])
+def test_data_axes_slip_is_an_unknown_keyword_with_a_hint(with_mesh):
+    """data_axes= (for data_axis=), with mesh= or without: the unknown
+    keyword's message, suggesting data_axis (a sentence about layouts before)."""
+    options = {"mesh": jax.make_mesh((1,), ("data",))} if with_mesh else {}
+    with pytest.raises(
+        TypeError,
+        match=r"unknown keyword argument 'data_axes' \(did you mean 'data_axis'\?\)",
+    ):
+        jaxaccum.cached_value_and_grad(
+            encode, clip_loss, 2, data_axes="data", **options
+        )

@@ -161,6 +161,18 @@ def test_per_device_aux_reductions_are_refused(mlp, mesh):
         fun(*mlp)
 
 
+@pytest.mark.parametrize("with_mesh", [True, False])
+def test_data_axes_slip_is_an_unknown_keyword_with_a_hint(mesh, with_mesh):
+    """data_axes= (for data_axis=), with mesh= or without: the unknown
+    keyword's message, suggesting data_axis (a sentence about layouts before)."""
+    options = {"mesh": mesh} if with_mesh else {}
+    with pytest.raises(
+        TypeError,
+        match=r"unknown keyword argument 'data_axes' \(did you mean 'data_axis'\?\)",
+    ):
+        jaxaccum.shard_value_and_grad(mlp_loss, 2, data_axes="data", **options)
+
+
 def test_options_are_checked_at_construction():
     with pytest.raises(ValueError, match="exactly one of num_microbatches"):
         jaxaccum.shard_value_and_grad(mlp_loss)

@@ -89,14 +89,16 @@ def cached_spec(
     """The window of a :func:`jaxaccum.cached_value_and_grad` call, validated
     as every front end's is, the options above refused by name; with
     ``data_axes``, a window per device over them."""
-    return WindowSpec.create(
+    # data_axes set after the keywords' check, so that a data_axes= slip is
+    # an unknown keyword (did you mean data_axis?).
+    spec = WindowSpec.create(
         "cached_value_and_grad",
         num_microbatches,
         options,
         CachedKwargs,
-        fixed={"data_axes": data_axes} if data_axes else None,
         refused=REFUSED,
     )
+    return spec.resharded(data_axes=data_axes) if data_axes else spec
 
 
 class CachedWindow(NamedTuple):

@@ -109,6 +109,14 @@ def shard_batch(
     )
 
 
+class _ShardOptions(ShardKwargs, total=False):
+    """ShardKwargs and shard_value_and_grad's own keywords: the options an
+    unknown keyword's message lists (and suggests, data_axis for data_axes)."""
+
+    mesh: Mesh | AbstractMesh | None
+    data_axis: DataAxis
+
+
 # value_and_grad's options that a window under shard_map does not take.
 _NOT_SHARDED = {
     "state_argnums": "carried state such as BatchNorm statistics would be per "
@@ -174,7 +182,8 @@ def shard_value_and_grad(
       report): gradients sharded as the parameters, the rest replicated.
 
     Raises:
-      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``.
+      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``, or
+        an unknown keyword.
       ValueError: without a mesh or for a ``data_axis`` not in it.
 
     Examples:
@@ -192,14 +201,15 @@ def shard_value_and_grad(
     # Built once here so that bad options fail at construction, as they do for
     # value_and_grad; the per-device micro-batch size and the parameters'
     # shardings are known only per call.
+    # data_axes set after the keywords' check, so that a data_axes= slip is
+    # an unknown keyword (did you mean data_axis?).
     options = WindowSpec.create(
         "shard_value_and_grad",
         num_microbatches,
         keywords,
-        ShardKwargs,
-        fixed={"data_axes": data_axes_of(data_axis)},
+        _ShardOptions,
         refused=_NOT_SHARDED,
-    )
+    ).resharded(data_axes=data_axes_of(data_axis))
 
     @functools.wraps(fun)
     def accumulated(*args: PyTree, **kwargs: PyTree) -> PyTree:
