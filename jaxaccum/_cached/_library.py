@@ -9,8 +9,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum._shard._shard import data_axes_of, per_device_options, resolve_mesh
-from jaxaccum._shard._shard_map import run_per_device
+from jaxaccum._shard._shard import (
+    call_mesh,
+    data_axes_of,
+    per_device_options,
+    resolve_mesh,
+)
+from jaxaccum._shard._shard_map import rows_over_devices, run_per_device
 from jaxaccum._types import CachedKwargs, PyTree
 from jaxaccum._window._accum_dtypes import accum_dtype_for, zeros_like_aval
 from jaxaccum._window._call_checks import check_arg_count, check_differentiable_args
@@ -35,6 +40,7 @@ __all__ = [
     "accum_dtype_for",
     "batch_size_of",
     "cached_spec",
+    "call_mesh",
     "check_arg_count",
     "check_differentiable_args",
     "data_axes_of",
@@ -42,6 +48,7 @@ __all__ = [
     "fold_device_index",
     "per_device_options",
     "resolve_mesh",
+    "rows_over_devices",
     "run_per_device",
     "spec_names",
     "strided_view",
