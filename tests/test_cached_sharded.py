@@ -48,7 +48,10 @@ def test_window_per_device_is_exact_with_one_reduction_after_the_loops(
 def test_window_per_device_where_the_mesh_comes_from(sharded_results, check):
     """mesh= on a 2-D Explicit mesh outside jax.set_mesh (eager and jit) and
     inside the caller's own shard_map manual over the data axis (the rows
-    each device is given): the big batch's (tests/mesh_cases.py)."""
+    each device is given), and a property test over the window's options
+    (N, microbatch_size, 1-D and 2-D meshes, has_aux, key_argnums, float32,
+    bfloat16 and integer outputs): the big batch's (tests/mesh_cases.py,
+    tests/cached_mesh_property.py)."""
     assert sharded_results[check]["ok"], sharded_results[check]["detail"]
 
 
