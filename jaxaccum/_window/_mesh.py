@@ -47,8 +47,8 @@ def check_callable_mesh(mesh: Mesh | AbstractMesh | None) -> None:
     current = jax.sharding.get_abstract_mesh()
     if current.empty or current != mesh:
         raise ValueError(
-            f"mesh is an AbstractMesh (axis names and sizes, no devices) but "
-            f"not the one set with jax.set_mesh ({current}): pass the concrete "
-            "Mesh, or call the step inside `with jax.set_mesh(mesh):` with the "
-            "Mesh whose .abstract_mesh it is."
+            f"mesh={mesh} is an AbstractMesh (axis names and sizes, no "
+            f"devices) but not the one set with jax.set_mesh ({current}): pass "
+            "the concrete Mesh, or call the step inside `with "
+            "jax.set_mesh(mesh):` with the Mesh whose .abstract_mesh it is."
         )
