@@ -10,7 +10,10 @@ gradient in each pass-2 iteration (the accumulator is replicated); one
 reduction per step needs the window per device (``mesh=``, ``data_axis=``,
 as ``shard_value_and_grad`` takes them): the ``mesh_*`` checks assert it
 exact and count its collectives, nothing inside a loop, one all-gather of
-the outputs and one all-reduce after the loop. Prints one JSON object,
+the outputs and one all-reduce after the loop. ``MESH_ARGUMENT``: mesh= used
+outside jax.set_mesh on a 2-D mesh and inside the caller's own shard_map
+(tests/mesh_cases.py), and a property test of the window per device over its
+options (tests/cached_mesh_property.py). Prints one JSON object,
 ``{check name: {"ok": bool, "detail": str}}``, as the last line of stdout.
 """
 
@@ -21,7 +24,9 @@ import cached_models as models
 import chex
 import jax
 import jax.numpy as jnp
+import mesh_cases
 import numpy as np
+from cached_mesh_property import check_property
 from check_scripts import report
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,6 +49,8 @@ CHECKS = [
     "mesh_keys_n2",
     "mesh_labels_aux_n2",
 ]
+MESH_ARGUMENT = ["outside_set_mesh_2d", "inside_users_shard_map", "property_per_device"]
+CHECKS += MESH_ARGUMENT
 
 
 def encode(params, batch):
@@ -268,6 +275,12 @@ def check_labels_and_aux_per_device(num_microbatches):
 
 
 def run(name):
+    if name == "outside_set_mesh_2d":
+        return mesh_cases.check_outside_set_mesh("cached")
+    if name == "inside_users_shard_map":
+        return mesh_cases.check_inside_shard_map("cached")
+    if name == "property_per_device":
+        return check_property()
     if name == "mesh_keys_n2":
         return check_keys_per_device(2)
     if name == "mesh_labels_aux_n2":

@@ -7,7 +7,9 @@ or both, on Auto and Explicit meshes. Every accumulated step is compared with
 the single-device full-batch gradient (chex, RTOL and ATOL of
 tests/tolerances.py) and its compiled HLO is read for what it communicates.
 Also: frozen (not differentiated) array arguments, positional and keyword,
-and bfloat16 FSDP parameters, whose gradients must be reduced in float32.
+and bfloat16 FSDP parameters, whose gradients must be reduced in float32;
+and ``mesh=`` / ``data_axis=`` used outside ``jax.set_mesh`` on a 2-D mesh
+and inside the caller's own ``shard_map`` (``mesh_*``, tests/mesh_cases.py).
 Prints one JSON object, ``{check name: {"ok": bool, "detail": str}}``, as the
 last line of stdout.
 """
@@ -17,6 +19,7 @@ import sys
 import chex
 import jax
 import jax.numpy as jnp
+import mesh_cases
 from check_scripts import report
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -62,6 +65,8 @@ CHECKS = [
     ),
     *(f"bfloat16_{layout}" for layout in BF16_LAYOUTS),
     "plan_modes_bfloat16_fsdp",
+    "mesh_outside_set_mesh_2d",
+    "mesh_inside_users_shard_map",
 ]
 
 
@@ -501,6 +506,10 @@ def check_plan_modes_bfloat16():
 
 
 def run(name):
+    if name == "mesh_outside_set_mesh_2d":
+        return mesh_cases.check_outside_set_mesh("shard")
+    if name == "mesh_inside_users_shard_map":
+        return mesh_cases.check_inside_shard_map("shard")
     if name.startswith("frozen_"):
         axis_type, case = name.removeprefix("frozen_").split("_", 1)
         return check_frozen(axis_type, case)

@@ -161,6 +161,43 @@ def test_per_device_aux_reductions_are_refused(mlp, mesh):
         fun(*mlp)
 
 
+@pytest.mark.parametrize("given", ["data", "devices", 3])
+def test_a_mesh_that_is_not_one_is_refused_by_name(given):
+    """A string, a list of devices or an int as mesh= (an AttributeError from
+    inside before): a TypeError naming what was passed and what to pass."""
+    bad = jax.devices() if given == "devices" else given
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh") as info:
+        jaxaccum.shard_value_and_grad(mlp_loss, 2, mesh=bad)
+    assert f"of type {type(bad).__name__}" in str(info.value), info.value
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        jaxaccum.shard_batch({"x": np.ones((8, 3))}, bad)
+
+
+def test_an_abstract_mesh_runs_where_it_is_set(mlp, mesh):
+    """mesh=mesh.abstract_mesh: the big batch's inside jax.set_mesh(mesh);
+    outside it (where it names no devices), refused, saying what to pass."""
+    params, batch = mlp
+    step = jaxaccum.shard_value_and_grad(mlp_loss, 2, mesh=mesh.abstract_mesh)
+    with jax.set_mesh(mesh):
+        actual = step(params, batch)
+    expected = jax.jit(jax.value_and_grad(mlp_loss))(params, batch)
+    chex.assert_trees_all_close(actual, expected, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="not the one set with jax.set_mesh"):
+        step(params, batch)
+
+
+@pytest.mark.parametrize("with_mesh", [True, False])
+def test_data_axes_slip_is_an_unknown_keyword_with_a_hint(mesh, with_mesh):
+    """data_axes= (for data_axis=), with mesh= or without: the unknown
+    keyword's message, suggesting data_axis (a sentence about layouts before)."""
+    options = {"mesh": mesh} if with_mesh else {}
+    with pytest.raises(
+        TypeError,
+        match=r"unknown keyword argument 'data_axes' \(did you mean 'data_axis'\?\)",
+    ):
+        jaxaccum.shard_value_and_grad(mlp_loss, 2, data_axes="data", **options)
+
+
 def test_options_are_checked_at_construction():
     with pytest.raises(ValueError, match="exactly one of num_microbatches"):
         jaxaccum.shard_value_and_grad(mlp_loss)

@@ -35,3 +35,13 @@ ATOL = RTOL  # times sum|t_i| <= 1 on unit-scale data
 UNIT_ROUNDOFF_64 = 2.0**-53
 RTOL64 = 2 * (2 * MAX_TERMS * UNIT_ROUNDOFF_64)
 ATOL64 = RTOL64
+
+# bfloat16 outputs (8 significant bits, u = 2**-8): two paths round values
+# that differ by float32 rounding to bfloat16, which can land them one ulp
+# (2 u) apart; a result computed from them agrees to that, relative, and to
+# twice it where two such values meet (a product of two embeddings): 1.6e-2.
+# A real mistake (a row lost of 32, a micro-batch counted twice) moves
+# results by 3e-2 and more.
+UNIT_ROUNDOFF_BF16 = 2.0**-8
+RTOL_BF16 = 2 * (2 * UNIT_ROUNDOFF_BF16)
+ATOL_BF16 = RTOL_BF16  # times sum|t_i| <= 1 on unit-scale data, as above

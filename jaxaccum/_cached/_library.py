@@ -9,8 +9,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum._shard._shard import data_axes_of, per_device_options, resolve_mesh
-from jaxaccum._shard._shard_map import run_per_device
+from jaxaccum._shard._shard import (
+    call_mesh,
+    data_axes_of,
+    per_device_options,
+    resolve_mesh,
+)
+from jaxaccum._shard._shard_map import rows_over_devices, run_per_device
 from jaxaccum._types import CachedKwargs, PyTree
 from jaxaccum._window._accum_dtypes import accum_dtype_for, zeros_like_aval
 from jaxaccum._window._call_checks import check_arg_count, check_differentiable_args
@@ -37,6 +42,7 @@ __all__ = [
     "aux_pair",
     "batch_size_of",
     "cached_spec",
+    "call_mesh",
     "check_arg_count",
     "checked_loss",
     "check_differentiable_args",
@@ -45,6 +51,7 @@ __all__ = [
     "fold_device_index",
     "per_device_options",
     "resolve_mesh",
+    "rows_over_devices",
     "run_per_device",
     "spec_names",
     "strided_view",
@@ -95,14 +102,16 @@ def cached_spec(
     """The window of a :func:`jaxaccum.cached_value_and_grad` call, validated
     as every front end's is, the options above refused by name; with
     ``data_axes``, a window per device over them."""
-    return WindowSpec.create(
+    # data_axes set after the keywords' check, so that a data_axes= slip is
+    # an unknown keyword (did you mean data_axis?).
+    spec = WindowSpec.create(
         "cached_value_and_grad",
         num_microbatches,
         options,
         CachedKwargs,
-        fixed={"data_axes": data_axes} if data_axes else None,
         refused=REFUSED,
     )
+    return spec.resharded(data_axes=data_axes) if data_axes else spec
 
 
 class CachedWindow(NamedTuple):

@@ -15,13 +15,14 @@ from jax.sharding import PartitionSpec
 
 from jaxaccum._cached._library import (
     WindowSpec,
-    batch_size_of,
+    call_mesh,
     check_arg_count,
     data_axes_of,
     explicit_sharding,
     fold_device_index,
     per_device_options,
     resolve_mesh,
+    rows_over_devices,
     run_per_device,
     spec_names,
 )
@@ -152,9 +153,9 @@ def per_device(window: Window, spec: WindowSpec, mesh: Any) -> Fun:
 
     def cached(*args: PyTree) -> PyTree:
         check_arg_count(args, spec)
-        device_mesh = resolve_mesh(mesh, spec.data_axes, jax.sharding.get_abstract_mesh)
+        device_mesh = call_mesh(mesh, spec.data_axes)
         check_replicated(args, spec)
-        batch_size = batch_size_of([(f"args[{i}]", args[i]) for i in spec.batch_nums])
+        batch_size = rows_over_devices(args, spec, device_mesh)
         device_spec = per_device_options(spec, batch_size, device_mesh, can_pad=False)
         return run_per_device(
             lambda *device_args: window(device_args, device_spec),

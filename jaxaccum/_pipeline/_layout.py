@@ -17,6 +17,7 @@ from jaxaccum._precision import _metadata
 from jaxaccum._types import Batch, Params, PyTree
 from jaxaccum._window import _batch_nodes, _split
 from jaxaccum._window._fsdp import shard_plan
+from jaxaccum._window._mesh import check_mesh_type
 
 
 def explicit(mesh: Any) -> bool:
@@ -44,12 +45,7 @@ def reshape(x: jax.Array, shape: tuple, mesh: Any, spec: PartitionSpec) -> jax.A
 def resolve_mesh(mesh: Mesh | AbstractMesh | None, options: PipelineWindow) -> Any:
     """``mesh`` (else the one set with ``jax.set_mesh``), checked to have the
     stage axis and the data axis."""
-    if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
-        raise TypeError(
-            f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((4, 2), "
-            f"('stage', 'data'))), an AbstractMesh set with jax.set_mesh, or "
-            f"None; got {mesh!r} of type {type(mesh).__name__}."
-        )
+    check_mesh_type(mesh, "jax.make_mesh((4, 2), ('stage', 'data'))")
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -68,21 +64,6 @@ def resolve_mesh(mesh: Mesh | AbstractMesh | None, options: PipelineWindow) -> A
                 f"'data'))), or pass {name}= the name of the axis to use."
             )
     return mesh
-
-
-def check_callable_mesh(mesh: Mesh | AbstractMesh | None) -> None:
-    """A step given an AbstractMesh runs only where that mesh is set (it
-    names axes and sizes, not devices)."""
-    if not isinstance(mesh, AbstractMesh):
-        return
-    current = jax.sharding.get_abstract_mesh()
-    if current.empty or current != mesh:
-        raise ValueError(
-            f"mesh is an AbstractMesh (axis names and sizes, no devices) but "
-            f"not the one set with jax.set_mesh ({current}): pass the concrete "
-            "Mesh, or call the step inside `with jax.set_mesh(mesh):` with the "
-            "Mesh whose .abstract_mesh it is."
-        )
 
 
 def _check_stage_params(stages: Params, schedule: Schedule) -> None:

@@ -12,7 +12,6 @@ from typing_extensions import Unpack
 from jaxaccum._pipeline._calls import takes_key
 from jaxaccum._pipeline._layout import (
     Prepared,
-    check_callable_mesh,
     like_container,
     like_params,
     prepare,
@@ -29,6 +28,7 @@ from jaxaccum._precision._loss_scale import loss_scale_report, pop_loss_scale
 from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
 from jaxaccum._window._aux_plan import AuxPlan
 from jaxaccum._window._call_checks import check_differentiable
+from jaxaccum._window._mesh import check_callable_mesh
 from jaxaccum._window._window import normalized_value
 
 

@@ -23,12 +23,13 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from typing_extensions import Unpack
 
-from jaxaccum._shard._shard_map import run_per_device
+from jaxaccum._shard._shard_map import manual_over, rows_over_devices, run_per_device
 from jaxaccum._types import Fun, PyTree, ShardKwargs
 from jaxaccum._value_and_grad import make_accumulated
 from jaxaccum._window import _split
 from jaxaccum._window._call_checks import check_arg_count
 from jaxaccum._window._fsdp import shard_plan
+from jaxaccum._window._mesh import check_callable_mesh, check_mesh_type
 from jaxaccum._window._spec import WindowSpec
 
 DataAxis = str | Sequence[str]
@@ -51,7 +52,9 @@ def resolve_mesh(
     data_axes: tuple[str, ...],
     context_mesh: Callable[[], Any],
 ) -> PyTree:
-    """``mesh``, else ``context_mesh()`` (the one set with ``jax.set_mesh``)."""
+    """``mesh``, else ``context_mesh()`` (the one set with ``jax.set_mesh``),
+    checked to be a mesh with ``data_axes``."""
+    check_mesh_type(mesh, f"jax.make_mesh((jax.device_count(),), {data_axes!r})")
     if mesh is None:
         mesh = context_mesh()
     if mesh.empty:
@@ -67,6 +70,19 @@ def resolve_mesh(
             "the axis the batch is sharded over as data_axis."
         )
     return mesh
+
+
+def call_mesh(mesh: Mesh | AbstractMesh | None, data_axes: tuple[str, ...]) -> Any:
+    """The mesh a window per device runs on in this call: the context's
+    where the caller's ``shard_map`` is already manual over ``data_axes``
+    (the rows given are the device's), else :func:`resolve_mesh`'s, an
+    ``AbstractMesh`` only where it is the one set with ``jax.set_mesh``."""
+    context = jax.sharding.get_abstract_mesh()
+    if manual_over(context, data_axes):
+        resolve_mesh(mesh, data_axes, lambda: context)
+        return context
+    check_callable_mesh(mesh)
+    return resolve_mesh(mesh, data_axes, lambda: context)
 
 
 def shard_batch(
@@ -109,6 +125,14 @@ def shard_batch(
     )
 
 
+class _ShardOptions(ShardKwargs, total=False):
+    """ShardKwargs and shard_value_and_grad's own keywords: the options an
+    unknown keyword's message lists (and suggests, data_axis for data_axes)."""
+
+    mesh: Mesh | AbstractMesh | None
+    data_axis: DataAxis
+
+
 # value_and_grad's options that a window under shard_map does not take.
 _NOT_SHARDED = {
     "state_argnums": "carried state such as BatchNorm statistics would be per "
@@ -138,7 +162,11 @@ def shard_value_and_grad(
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
       num_microbatches: ``N``, micro-batches per window (each spread over all
         ``D`` devices of ``data_axis``); must split each device's rows equally.
-      mesh: the device mesh; by default the one set with ``jax.set_mesh``.
+      mesh: the device mesh (a ``jax.sharding.Mesh``, called in or outside
+        ``jax.set_mesh``; an ``AbstractMesh`` only inside ``jax.set_mesh`` of
+        its mesh); by default the one set with ``jax.set_mesh``. Called inside
+        the caller's own ``jax.shard_map`` manual over ``data_axis``, the
+        window runs on the rows each device is given and sums over the axis.
       data_axis: the mesh axis (or axes) the batch is sharded over on axis 0.
       **keywords: the keyword options below.
 
@@ -174,8 +202,10 @@ def shard_value_and_grad(
       report): gradients sharded as the parameters, the rest replicated.
 
     Raises:
-      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``.
-      ValueError: without a mesh or for a ``data_axis`` not in it.
+      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``, an
+        unknown keyword, or a ``mesh`` that is not a mesh.
+      ValueError: without a mesh, for a ``data_axis`` not in it, or an
+        ``AbstractMesh`` other than the one set with ``jax.set_mesh``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -192,25 +222,23 @@ def shard_value_and_grad(
     # Built once here so that bad options fail at construction, as they do for
     # value_and_grad; the per-device micro-batch size and the parameters'
     # shardings are known only per call.
+    check_mesh_type(mesh, "jax.make_mesh((jax.device_count(),), ('data',))")
+    # data_axes set after the keywords' check, so that a data_axes= slip is
+    # an unknown keyword (did you mean data_axis?).
     options = WindowSpec.create(
         "shard_value_and_grad",
         num_microbatches,
         keywords,
-        ShardKwargs,
-        fixed={"data_axes": data_axes_of(data_axis)},
+        _ShardOptions,
         refused=_NOT_SHARDED,
-    )
+    ).resharded(data_axes=data_axes_of(data_axis))
 
     @functools.wraps(fun)
     def accumulated(*args: PyTree, **kwargs: PyTree) -> PyTree:
         check_arg_count(args, options)
-        device_mesh = resolve_mesh(
-            mesh, options.data_axes, jax.sharding.get_abstract_mesh
-        )
+        device_mesh = call_mesh(mesh, options.data_axes)
         diff_args = tuple(args[num] for num in options.diff_nums)
-        batch_size = _split.batch_size_of(
-            [(f"args[{i}]", args[i]) for i in options.batch_nums]
-        )
+        batch_size = rows_over_devices(args, options, device_mesh)
         call_options = per_device_options(options, batch_size, device_mesh).resharded(
             param_specs=_param_specs_of(diff_args, options.data_axes)
         )

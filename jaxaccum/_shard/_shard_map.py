@@ -1,11 +1,13 @@
 """One device's window under ``jax.shard_map``, manual over the data axes: the
-arguments each device sees, the specs in and out, and Explicit mesh axes."""
+arguments each device sees, the specs in and out, and Explicit mesh axes; or,
+inside a caller's ``shard_map`` already manual over them, on the rows given."""
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxaccum._types import Fun, PyTree
 from jaxaccum._window import _batch_nodes, _split
@@ -63,7 +65,12 @@ def run_per_device(
     the device's rows (their registered nodes labelled so), the parameters
     sharded as ``grad_specs`` says (their gradients too), the rest replicated.
     The one way a window runs per device (shard_value_and_grad's, and
-    cached_value_and_grad's with a mesh)."""
+    cached_value_and_grad's with a mesh). Inside a caller's ``shard_map``
+    already manual over the data axes, ``per_device`` runs on the rows given
+    (``mesh`` is then the context's)."""
+    if manual_over(mesh, options.data_axes):
+        check_given_rows(args, options)
+        return per_device(*args, **kwargs)
     mapped_nums = tuple(
         sorted(options.diff_nums + options.batch_nums + options.key_nums)
     )
@@ -88,8 +95,96 @@ def run_per_device(
     # Under jit, Auto-sharded inputs not yet sharded as in_specs says are
     # resharded (an eager shard_map refuses them); in the caller's jit, this
     # jit is inlined.
-    mapped = tuple(args[num] for num in mapped_nums)
-    return jax.jit(step)(mapped, frozen.arrays)
+    mapped = on_mesh(tuple(args[num] for num in mapped_nums), mesh)
+    return jax.jit(step)(mapped, on_mesh(frozen.arrays, mesh))
+
+
+def on_mesh(tree: PyTree, mesh: Any) -> PyTree:
+    """``tree`` with the leaves on no mesh (a single device's arrays, NumPy
+    ones) replicated on ``mesh`` if it is a concrete Mesh with Explicit axes:
+    outside ``jax.set_mesh`` nothing else tells the step's ``jit`` (or the
+    caller's) which devices the mesh in its types is on."""
+    if not isinstance(mesh, Mesh) or AxisType.Explicit not in mesh.axis_types:
+        return tree
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(
+        lambda leaf: (
+            jax.device_put(leaf, replicated)
+            if jax.typeof(leaf).sharding.mesh.empty
+            else leaf
+        ),
+        tree,
+    )
+
+
+def manual_over(mesh: Any, data_axes: tuple[str, ...]) -> bool:
+    """Whether ``mesh`` (the context's, in a caller's ``shard_map``) is
+    manual over every data axis.
+
+    Raises:
+      ValueError: where it is manual over some of them only.
+    """
+    if mesh.empty:
+        return False
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    manual = [axis for axis in data_axes if kinds.get(axis) == AxisType.Manual]
+    if manual and len(manual) < len(data_axes):
+        raise ValueError(
+            f"data_axis {data_axes} is partly manual here: the enclosing "
+            f"shard_map is manual over {tuple(manual)} only. Call inside a "
+            "shard_map manual over all of them (axis_names=), or outside it, "
+            "or pass data_axis= the manual ones."
+        )
+    return bool(manual)
+
+
+def rows_over_devices(args: tuple, options: WindowSpec, mesh: Any) -> int:
+    """The batch's rows over all devices of the data axes: the batch
+    arguments' size, times the devices where each is given a device's rows
+    (:func:`manual_over`)."""
+    size = _split.batch_size_of([(f"args[{i}]", args[i]) for i in options.batch_nums])
+    if manual_over(mesh, options.data_axes):
+        size *= math.prod(mesh.shape[axis] for axis in options.data_axes)
+    return size
+
+
+def check_given_rows(args: tuple, options: WindowSpec) -> None:
+    """In a caller's ``shard_map`` manual over the data axes: the batch
+    leaves vary over them (each device's own rows) and the parameters do not
+    (their gradients are summed over the devices).
+
+    Raises:
+      ValueError: naming the leaf, how it varies, and what to pass.
+    """
+    axes = options.data_axes
+    entry = axes[0] if len(axes) == 1 else axes
+    for num in options.batch_nums + options.diff_nums:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[num]):
+            varying = tuple(
+                axis
+                for axis in axes
+                if axis in jax.typeof(leaf).manual_axis_type.varying
+            )
+            label = (
+                f"args[{num}]{jax.tree_util.keystr(path)} of shape {jnp.shape(leaf)}"
+            )
+            if num in options.batch_nums and varying != axes:
+                raise ValueError(
+                    f"{label} is the same on every device of {axes} in the "
+                    "enclosing shard_map, which is manual over them: the window "
+                    "takes each device's own rows there. Give the batch "
+                    f"in_specs=P({entry!r}) (with check_vma=True, the default, "
+                    "which types its rows so)."
+                )
+            if num in options.diff_nums and varying:
+                raise ValueError(
+                    f"{label} varies over {varying} in the enclosing shard_map: "
+                    "the window sums each parameter's gradient over the data "
+                    "axes, so it takes parameters that do not. Give it "
+                    "in_specs=P() (replicated), or call the step outside the "
+                    "shard_map, with mesh=, for parameters sharded over the "
+                    "data axes."
+                )
 
 
 def shard_mapped(

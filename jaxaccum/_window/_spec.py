@@ -11,6 +11,7 @@ Where a front end needs a variant it derives it with ``dataclasses.replace``.
 """
 
 import dataclasses
+import difflib
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any, Self
 
@@ -310,8 +311,10 @@ class WindowSpec:
                     "layout its docstring gives, or use jaxaccum.value_and_grad "
                     "for another layout."
                 )
+            close = difflib.get_close_matches(name, sorted(declared), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(
-                f"{where} got an unknown keyword argument {name!r}; its "
+                f"{where} got an unknown keyword argument {name!r}{hint}; its "
                 f"options are: {', '.join(sorted(declared))}."
             )
 
