@@ -162,11 +162,10 @@ def shard_value_and_grad(
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
       num_microbatches: ``N``, micro-batches per window (each spread over all
         ``D`` devices of ``data_axis``); must split each device's rows equally.
-      mesh: the device mesh (a ``jax.sharding.Mesh``, called in or outside
-        ``jax.set_mesh``; an ``AbstractMesh`` only inside ``jax.set_mesh`` of
-        its mesh); by default the one set with ``jax.set_mesh``. Called inside
-        the caller's own ``jax.shard_map`` manual over ``data_axis``, the
-        window runs on the rows each device is given and sums over the axis.
+      mesh: a ``jax.sharding.Mesh`` (an ``AbstractMesh`` only inside
+        ``jax.set_mesh`` of its mesh); by default the one set with
+        ``jax.set_mesh``. Inside the caller's ``jax.shard_map`` manual over
+        ``data_axis``: each device's rows, summed over the axis.
       data_axis: the mesh axis (or axes) the batch is sharded over on axis 0.
       **keywords: the keyword options below.
 
@@ -174,21 +173,19 @@ def shard_value_and_grad(
       microbatch_size: examples per micro-batch over all devices (a multiple of
         ``D``), instead of ``N``.
       argnums: as for :func:`jaxaccum.value_and_grad`.
-      batch_argnums: as for :func:`jaxaccum.value_and_grad`; sharded over
-        ``data_axis`` on axis 0 (resharded if they are not).
+      batch_argnums: as there; sharded over ``data_axis`` on axis 0.
       key_argnums: PRNG keys, folded with the device's index, split per micro-batch.
       has_aux: as for :func:`jaxaccum.value_and_grad`.
       reduction: as for :func:`jaxaccum.value_and_grad`, over all devices.
-      aux_reduction: ``"mean"`` or ``"sum"``, or a pytree prefix of the aux
-        output mapping leaves to them.
+      aux_reduction: ``"mean"`` or ``"sum"`` (or a pytree prefix of them).
       accum_dtype: as for :func:`jaxaccum.value_and_grad`; reductions run in it.
       pad: as for :func:`jaxaccum.value_and_grad`, per device.
       unroll: passed to ``jax.lax.scan``.
       remat: as for :func:`jaxaccum.value_and_grad`.
       report_stats: also return a :class:`jaxaccum.WindowStats` of each
         device's local micro-batch norms (``b = B / (N D)``).
-      param_gather: ``"auto"`` (``"microbatch"``), ``"window"`` or ``"microbatch"``:
-        when parameters sharded over ``data_axis`` are all-gathered.
+      param_gather: ``"auto"`` (``"microbatch"``), ``"window"`` or
+        ``"microbatch"``: when FSDP parameters are all-gathered.
       grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: when gradients
         are reduced (``"auto"``: every micro-batch for FSDP leaves, else once).
       gather_dtype: a dtype (``jnp.bfloat16``) FSDP shards are cast to for their
@@ -202,14 +199,12 @@ def shard_value_and_grad(
       report): gradients sharded as the parameters, the rest replicated.
 
     Raises:
-      TypeError: for ``state_argnums``, ``report_finite`` or ``masked``, an
-        unknown keyword, or a ``mesh`` that is not a mesh.
-      ValueError: without a mesh, for a ``data_axis`` not in it, or an
-        ``AbstractMesh`` other than the one set with ``jax.set_mesh``.
+      TypeError: for ``state_argnums``, ``report_finite``, ``masked``, an
+        unknown keyword, or a ``mesh`` that is not one; ValueError: without
+        a mesh, a ``data_axis`` not in it, or an ``AbstractMesh`` not set.
 
     Examples:
-      >>> import jax, jax.numpy as jnp, numpy as np
-      >>> import jaxaccum
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxaccum
       >>> def loss(params, batch):
       ...     return jnp.mean((batch["x"] @ params - batch["y"]) ** 2)
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
