@@ -1,18 +1,20 @@
 """A call's arguments as the window over a named axis reads them: flat, by
 role, each leaf a :class:`Value` (the batch's leaves per micro-batch as their
 free strided views, the keys split per micro-batch, everything else shared),
-and the one micro-batch's abstract values ``fun`` is traced at."""
+and one micro-batch's values ``fun`` is traced at (values, not shapes: under
+``shard_map`` their types say what varies over the devices)."""
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxaccum._axis._collectives import Value
-from jaxaccum._types import PyTree
 from jaxaccum._window import _split
 from jaxaccum._window._accum_dtypes import accum_dtype_for
+from jaxaccum._window._microbatch import fold_device_index
 from jaxaccum._window._spec import WindowSpec
 
 
@@ -26,14 +28,15 @@ class FlatCall(NamedTuple):
     Attributes:
       values: each leaf's :class:`Value` (differentiated leaves in
         ``accum_dtype`` at least, so their gradient sums in it).
-      avals: each leaf's abstract value for one micro-batch.
+      examples: each leaf as one micro-batch sees it (micro-batch 0's),
+        what ``fun`` is traced at.
       num_diff: how many leading leaves are differentiated.
       rebuild: ``rebuild(leaves) -> (args, kwargs)``, the call with its
         array leaves replaced (the others kept).
     """
 
     values: list[Value]
-    avals: list[Any]
+    examples: list[Any]
     num_diff: int
     rebuild: Callable[[list], tuple[tuple, dict]]
 
@@ -52,14 +55,14 @@ def flat_call(
     tree = ([placed[i] for i in order], kwargs)
     leaves, treedef = jax.tree.flatten(tree)
     role_of = _leaf_roles([roles.get(i) for i in order], tree)
-    values, avals, arrays = [], [], []
+    values, examples, arrays = [], [], []
     for position, (leaf, role) in enumerate(zip(leaves, role_of, strict=True)):
         if not _is_array(leaf):
             continue
         arrays.append(position)
-        value, aval = _leaf_value(jnp.asarray(leaf), role, size, spec.accum_dtype)
+        value, example = _leaf_value(jnp.asarray(leaf), role, size, spec.accum_dtype)
         values.append(value)
-        avals.append(aval)
+        examples.append(example)
     num_diff = sum(1 for role in role_of if role == "diff")
 
     def rebuild(new: list) -> tuple[tuple, dict]:
@@ -72,7 +75,7 @@ def flat_call(
             call[i] = arg
         return tuple(call), new_kwargs
 
-    return FlatCall(values, avals, num_diff, rebuild)
+    return FlatCall(values, examples, num_diff, rebuild)
 
 
 def _leaf_roles(arg_roles: list, tree: tuple) -> list:
@@ -85,24 +88,25 @@ def _leaf_roles(arg_roles: list, tree: tuple) -> list:
 
 
 def _leaf_value(leaf: jax.Array, role: Any, size: int, accum: Any) -> tuple:
-    """One leaf's :class:`Value` and its abstract value for one micro-batch."""
+    """One leaf's :class:`Value` and its value for micro-batch 0."""
     if role == "batch":
         view = _split.strided_view([leaf], size)[0]
-        rows = (leaf.shape[0] // size, *leaf.shape[1:])
-        return Value(view, stacked=True, axis=1), jax.ShapeDtypeStruct(rows, leaf.dtype)
+        first = lax.index_in_dim(view, 0, axis=1, keepdims=False)
+        return Value(view, stacked=True, axis=1), first
     if role == "key":  # split into (N, ...) already
-        one = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-        return Value(leaf, stacked=True), one
-    aval = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        return Value(leaf, stacked=True), leaf[0]
     if role == "diff":
-        leaf = leaf.astype(accum_dtype_for(leaf.dtype, accum))
-    return Value(leaf), aval
+        return Value(leaf.astype(accum_dtype_for(leaf.dtype, accum))), leaf
+    return Value(leaf), leaf
 
 
 def split_keys(args: tuple, spec: WindowSpec, size: int) -> tuple:
     """Each key argument split into ``size`` keys, as the core splits them
-    (the key itself, stacked once, for one micro-batch)."""
+    (the key itself, stacked once, for one micro-batch); per device, folded
+    with the device's index first."""
     keys = tuple(args[num] for num in spec.key_nums)
+    if spec.data_axes:
+        keys = fold_device_index(keys, spec.data_axes)
     if size > 1:
         return jax.tree.map(lambda key: jax.random.split(key, size), keys)
     return jax.tree.map(lambda key: jnp.expand_dims(key, 0), keys)
@@ -117,7 +121,3 @@ def batch_split(args: tuple, spec: WindowSpec) -> _split.Split:
         spec.microbatch_size,
         can_pad=False,
     )
-
-
-def state_values(args: tuple, spec: WindowSpec) -> PyTree:
-    return tuple(args[num] for num in spec.state_nums)

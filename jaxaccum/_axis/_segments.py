@@ -84,10 +84,10 @@ def _cast(array: Any, key: Any, traced: Traced) -> Any:
     """An input read at the dtype ``fun`` was traced with (the differentiated
     arguments arrive in the accumulation dtype, so that their gradient sums
     in it across the scans)."""
-    aval = traced.avals.get(key) if not isinstance(key, Literal) else None
-    if aval is None or jnp.result_type(array) == aval.dtype:
+    dtype = traced.dtypes.get(key) if not isinstance(key, Literal) else None
+    if dtype is None or jnp.result_type(array) == dtype:
         return array
-    return jnp.asarray(array).astype(aval.dtype)
+    return jnp.asarray(array).astype(dtype)
 
 
 def _results(eqn: Equation, args: Sequence) -> list:

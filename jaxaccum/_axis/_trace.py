@@ -52,14 +52,14 @@ class Traced(NamedTuple):
       inputs: the keys of the flat inputs.
       outputs: the keys (or ``Literal`` s) of the flat outputs.
       constants: the values of the traced constants, by key.
-      avals: the abstract value of each input, by key.
+      dtypes: the dtype ``fun`` was traced with at each input, by key.
     """
 
     equations: list[Equation]
     inputs: list
     outputs: list
     constants: dict
-    avals: dict
+    dtypes: dict
 
 
 def axis_names_of(params: dict) -> tuple:
@@ -95,18 +95,21 @@ def _bodies(params: dict) -> list[Jaxpr]:
     return found
 
 
-def trace(fun: Callable, avals: Sequence, axis_name: Any, size: int) -> Traced:
-    """``fun`` of flat arguments like ``avals``, traced with ``axis_name`` of
-    ``size`` bound, flattened."""
-    closed = jax.make_jaxpr(fun, axis_env=[(axis_name, size)])(*avals)
+def trace(fun: Callable, examples: Sequence, axis_name: Any, size: int) -> Traced:
+    """``fun`` of flat arguments like ``examples``, traced with ``axis_name``
+    of ``size`` bound, flattened."""
+    closed = jax.make_jaxpr(fun, axis_env=[(axis_name, size)])(*examples)
     constants = {("const", i): c for i, c in enumerate(closed.consts)}
-    inputs = [("in", i) for i in range(len(avals))]
+    inputs = [("in", i) for i in range(len(examples))]
     equations: list[Equation] = []
     outputs = _flatten(
         closed.jaxpr, [*constants, *inputs], (), equations, constants, axis_name
     )
-    by_key = dict(zip(inputs, avals, strict=True))
-    return Traced(equations, inputs, outputs, constants, by_key)
+    dtypes = {
+        key: jax.typeof(example).dtype
+        for key, example in zip(inputs, examples, strict=True)
+    }
+    return Traced(equations, inputs, outputs, constants, dtypes)
 
 
 def _flatten(

@@ -48,7 +48,7 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
         call = flat_call(args, kwargs, spec, size, split_keys(args, spec, size))
         outs: list = []
         flat = _flat_fun(fun, call, spec, outs)
-        traced = trace(flat, call.avals, spec.axis_name, size)
+        traced = trace(flat, call.examples, spec.axis_name, size)
         policy = checkpoint_policy(spec.remat)
         window = Window(spec.axis_name, size, policy, spec.unroll)
         if not any(window.is_cut(eqn) for eqn in traced.equations):
@@ -142,7 +142,10 @@ def _package(
     parameters' dtypes and structure, aux reduced by ``aux_reduction``, the
     new state the window's."""
     params = [args[num] for num in spec.diff_nums]
-    cast = [g.astype(aval.dtype) for g, aval in zip(grads, call.avals, strict=False)]
+    cast = [
+        g.astype(jnp.result_type(example))
+        for g, example in zip(grads, call.examples, strict=False)
+    ]
     per_arg = jax.tree.unflatten(jax.tree.structure(params), cast)
     result_grads = per_arg[0] if isinstance(spec.argnums, int) else tuple(per_arg)
     aux = _reduced_aux(aux, spec, size)
