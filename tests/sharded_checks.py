@@ -9,13 +9,16 @@ tests/tolerances.py) and its compiled HLO is read for what it communicates.
 Also: frozen (not differentiated) array arguments, positional and keyword,
 and bfloat16 FSDP parameters, whose gradients must be reduced in float32;
 and ``mesh=`` / ``data_axis=`` used outside ``jax.set_mesh`` on a 2-D mesh
-and inside the caller's own ``shard_map`` (``mesh_*``, tests/mesh_cases.py).
+and inside the caller's own ``shard_map`` (``mesh_*``, tests/mesh_cases.py);
+the window as a named axis under plain ``jit`` (``axis_name_*``,
+tests/axis_sharded_cases.py).
 Prints one JSON object, ``{check name: {"ok": bool, "detail": str}}``, as the
 last line of stdout.
 """
 
 import sys
 
+import axis_sharded_cases
 import chex
 import jax
 import jax.numpy as jnp
@@ -67,6 +70,7 @@ CHECKS = [
     "plan_modes_bfloat16_fsdp",
     "mesh_outside_set_mesh_2d",
     "mesh_inside_users_shard_map",
+    *axis_sharded_cases.CHECKS,
 ]
 
 
@@ -506,6 +510,8 @@ def check_plan_modes_bfloat16():
 
 
 def run(name):
+    if name in axis_sharded_cases.CHECKS:
+        return axis_sharded_cases.CHECKS[name]()
     if name == "mesh_outside_set_mesh_2d":
         return mesh_cases.check_outside_set_mesh("shard")
     if name == "mesh_inside_users_shard_map":

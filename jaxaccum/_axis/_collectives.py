@@ -14,8 +14,12 @@ index; positions a ``vmap`` inside ``fun`` added to the axes reduce as
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxaccum._window._split import explicit_sharding
 
 
 class Value(NamedTuple):
@@ -93,12 +97,21 @@ def gather_over_window(
             "others (two all_gathers)."
         )
     dimension = params["all_gather_dimension"]
-    stacked = jnp.moveaxis(operand.leading(size), 0, dimension)
+    stacked = jnp.moveaxis(_replicated(operand.leading(size)), 0, dimension)
     if params["tiled"]:
         shape = stacked.shape
         merged = (shape[dimension] * shape[dimension + 1],)
         stacked = stacked.reshape(*shape[:dimension], *merged, *shape[dimension + 2 :])
     return Value(stacked)
+
+
+def _replicated(array: Any) -> Any:
+    """``array`` replicated where its type holds an Explicit sharding (the
+    gathered value is every device's: its rows, sharded over the devices in
+    each micro-batch, cannot stay sharded once the micro-batches are merged)."""
+    if explicit_sharding(jax.typeof(array)) is None:
+        return array
+    return jax.sharding.reshard(array, PartitionSpec())
 
 
 def index_over_window(params: dict, axis_name: Any, size: int) -> Value:

@@ -142,6 +142,11 @@ _NOT_SHARDED = {
     "flags (microbatch_finite, finite).",
     "masked": "use jaxaccum.value_and_grad(..., masked=True) on the sharded "
     "batch under jit.",
+    "axis_name": "not yet per device: under shard_map JAX's types do not let "
+    "a collective mix a mesh axis with the window's. Use "
+    "jaxaccum.value_and_grad(..., axis_name=...) on the sharded batch under "
+    "jit: each micro-batch spans every device, so the window's collectives "
+    "meet across the whole batch.",
 }
 
 
