@@ -191,7 +191,7 @@ def _unrolled_scan(
     for step in reversed(steps) if params["reverse"] else steps:
         sliced = []
         for j, x in enumerate(xs):
-            key = (scope, "x", step, j)
+            key: tuple = (scope, "x", step, j)
             out.append(_synthetic("index_in_dim", _take(step), (x,), key))
             sliced.append(key)
         results = _flatten(
