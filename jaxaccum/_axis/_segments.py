@@ -9,7 +9,7 @@ shared runs once, outside any scan.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from jaxaccum._axis._collectives import Value, over_window
 from jaxaccum._axis._trace import WINDOW_COLLECTIVES, Equation, Traced, axis_names_of
 
 
-class Window:
+class Window(NamedTuple):
     """The window's axis: its name, size and how its segments scan.
 
     Attributes:
@@ -31,13 +31,13 @@ class Window:
       unroll: ``lax.scan``'s.
     """
 
-    def __init__(
-        self, axis_name: Any, size: int, policy: Callable | None, unroll: int | bool
-    ):
-        self.axis_name, self.size = axis_name, size
-        self.policy, self.unroll = policy, unroll
+    axis_name: Any
+    size: int
+    policy: Callable | None
+    unroll: int | bool
 
     def is_cut(self, eqn: Equation) -> bool:
+        """Whether ``eqn`` is a collective over the window (a cut)."""
         return eqn.name in WINDOW_COLLECTIVES and self.axis_name in axis_names_of(
             eqn.params
         )

@@ -4,7 +4,7 @@ micro-batch at a time between the collectives over the axis, with the
 options' reduction applied to the micro-batches' results."""
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +23,6 @@ from jaxaccum._window._call_checks import (
 from jaxaccum._window._micro_result import aux_pair, checked_loss, weighted_pair
 from jaxaccum._window._remat import checkpoint_policy
 from jaxaccum._window._spec import WindowSpec
-
-
-class _Outs(NamedTuple):
-    """What ``fun`` returns for one micro-batch, as tree structures."""
-
-    loss: Any  # the loss's structure: a scalar, or (loss_sum, weight)
-    aux: Any
-    state: Any
 
 
 def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
@@ -58,7 +50,8 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
 
 def _flat_fun(fun: Fun, call: FlatCall, spec: WindowSpec, outs: list) -> Callable:
     """``fun`` of the call's flat leaves for one micro-batch, returning its
-    flat outputs; their structure is appended to ``outs``."""
+    flat outputs ``(loss, aux, new_state)``; their tree structure is appended
+    to ``outs``."""
 
     def flat(*leaves: Any) -> list:
         args, kwargs = call.rebuild(list(leaves))
@@ -76,7 +69,7 @@ def _flat_fun(fun: Fun, call: FlatCall, spec: WindowSpec, outs: list) -> Callabl
             loss = checked_loss(loss, "fun")
         tree = (loss, aux, tuple(new_state))
         leaves_out, treedef = jax.tree.flatten(tree)
-        outs.append((treedef, _Outs(*[jax.tree.structure(t) for t in tree])))
+        outs.append(treedef)
         return [jnp.asarray(leaf) for leaf in leaves_out]
 
     return flat
@@ -87,10 +80,11 @@ def _value_and_grad(
     call: FlatCall,
     window: Window,
     spec: WindowSpec,
-    structure: tuple,
+    treedef: Any,
     args: tuple,
 ) -> PyTree:
-    treedef, _ = structure
+    """The window's value and gradients (aux, new state) in ``value_and_grad``'s
+    layout: the traced ``fun`` run over the window, differentiated once."""
     diff_values = call.values[: call.num_diff]
     rest = call.values[call.num_diff :]
     size = window.size
