@@ -42,6 +42,7 @@ def blockwise(kind, x, y, scale, bias):
 
 
 def formula(kind, x, y, scale, bias):
+    """The straightforward formula in JAX (the B x B logits at once)."""
     logits = scale * x @ y.T
     if kind == "softmax":
         diagonal = jnp.diagonal(logits)

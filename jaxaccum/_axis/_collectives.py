@@ -88,14 +88,12 @@ def gather_over_window(
     """``all_gather`` over the window: every micro-batch's value, in the
     micro-batches' order, at ``all_gather_dimension`` (``tiled``: merged
     into it)."""
-    names = params["axis_name"]
-    names = names if isinstance(names, tuple | list) else (names,)
-    if tuple(names) != (axis_name,):
-        raise TypeError(
-            f"all_gather over {tuple(names)} mixes the window's axis "
-            f"{axis_name!r} with others: gather over the window, then over the "
-            "others (two all_gathers)."
-        )
+    _window_only(
+        "all_gather",
+        params,
+        axis_name,
+        "gather over the window, then over the others (two all_gathers)",
+    )
     dimension = params["all_gather_dimension"]
     stacked = jnp.moveaxis(_replicated(operand.leading(size)), 0, dimension)
     if params["tiled"]:
@@ -103,6 +101,21 @@ def gather_over_window(
         merged = (shape[dimension] * shape[dimension + 1],)
         stacked = stacked.reshape(*shape[:dimension], *merged, *shape[dimension + 2 :])
     return Value(stacked)
+
+
+def _window_only(name: str, params: dict, axis_name: Any, fix: str) -> None:
+    """A gather or an index over the window's axis alone.
+
+    Raises:
+      TypeError: for one over the window's axis and others, saying ``fix``.
+    """
+    names = params["axis_name"]
+    names = tuple(names) if isinstance(names, tuple | list) else (names,)
+    if names != (axis_name,):
+        raise TypeError(
+            f"{name} over {names} mixes the window's axis {axis_name!r} with "
+            f"others: {fix}."
+        )
 
 
 def _replicated(array: Any) -> Any:
@@ -116,13 +129,7 @@ def _replicated(array: Any) -> Any:
 
 def index_over_window(params: dict, axis_name: Any, size: int) -> Value:
     """``axis_index`` of the window: micro-batch ``k``'s is ``k``."""
-    names = params["axis_name"]
-    names = names if isinstance(names, tuple | list) else (names,)
-    if tuple(names) != (axis_name,):
-        raise TypeError(
-            f"axis_index over {tuple(names)} mixes the window's axis "
-            f"{axis_name!r} with others: take each axis's index on its own."
-        )
+    _window_only("axis_index", params, axis_name, "take each axis's index on its own")
     return Value(jnp.arange(size, dtype=jnp.int32), stacked=True)
 
 
