@@ -172,6 +172,7 @@ class ShardKwargs(
     _LossScale,
     _ShardModes,
     _GatherDtype,
+    _AxisName,
 ):
     """The options of :func:`jaxaccum.shard_value_and_grad`."""
 

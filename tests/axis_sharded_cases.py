@@ -5,8 +5,13 @@ strided split keeps each device's rows on it), so a BatchNorm's statistics
 and an all_gather over the window meet across the whole batch: the big
 batch's value and gradients (chex, RTOL and ATOL of tests/tolerances.py:
 float32, the same sums in another order), on Auto and Explicit meshes; and
-shard_value_and_grad refuses axis_name, saying what to use.
+per device through shard_value_and_grad, collectives over ("data",
+"window") meeting across devices and micro-batches, nothing collective in a
+loop.
 """
+
+import collections
+import re
 
 import chex
 import jax
@@ -17,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tolerances import ATOL, RTOL  # float32 rounding bounds, derived there
 
 import jaxaccum
+from jaxaccum.testing import find_collectives
 
 AXIS = "window"
 BATCH = 64
@@ -81,17 +87,95 @@ def check_under_jit(axis_type: str, num_microbatches: int) -> str:
     return f"N={num_microbatches} on 8 devices ({axis_type}): the big batch's"
 
 
-def check_shard_refuses() -> str:
-    try:
-        jaxaccum.shard_value_and_grad(loss, 2, axis_name=AXIS)
-    except TypeError as error:
-        assert "under jit" in str(error), str(error)
-        return str(error)
-    raise AssertionError("shard_value_and_grad took axis_name")
+def device_loss(params, batch):
+    """The loss per device: BatchNorm and the gathered texts over the
+    devices and the window together, the positive at the member's index."""
+    both = ("data", AXIS)
+    hidden = (batch["x"] @ params["image"])[:, :4]
+    mean = lax.pmean(jnp.mean(hidden, 0), both)
+    var = lax.pmean(jnp.mean((hidden - mean) ** 2, 0), both)
+    image = jnp.tanh((hidden - mean) * lax.rsqrt(var + 1e-5))
+    texts = lax.all_gather(jnp.tanh(batch["y"] @ params["text"]), both, tiled=True)
+    rows = image.shape[0]
+    labels = lax.axis_index(both) * rows + jnp.arange(rows)
+    log_probs = jax.nn.log_softmax(2.0 * image @ texts.T)
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=1))
+
+
+def check_shard(axis_type: str, num_microbatches: int) -> str:
+    """shard_value_and_grad(axis_name=...): collectives over ("data",
+    "window") meet across devices and micro-batches, the big batch's; in the
+    compiled program one collective over the devices per collective over the
+    window per pass (the statistics' all-reduce, the texts' all-gather, and
+    the backward's), the gradients' all-reduce after the loops, and nothing
+    collective in a loop."""
+    params, batch = problem()
+    want = jax.value_and_grad(big_batch)(params, batch)
+    types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=types)
+    step = jax.jit(
+        jaxaccum.shard_value_and_grad(
+            device_loss, num_microbatches, mesh=mesh, axis_name=AXIS
+        )
+    )
+    sharded = jaxaccum.shard_batch(batch, mesh)
+    chex.assert_trees_all_close(step(params, sharded), want, rtol=RTOL, atol=ATOL)
+    collectives = find_collectives(step.lower(params, sharded).compile())
+    in_loops = [c for c in collectives if c.in_loop]
+    assert not in_loops, in_loops
+    # Forward: the two statistics' all-reduces and the texts' all-gather;
+    # backward: their transposes (two all-reduces, a reduce-scatter); after
+    # the loops, one all-reduce of the total and the gradients.
+    counts = collections.Counter(c.op for c in collectives)
+    wanted = {"all-reduce": 5, "all-gather": 1, "reduce-scatter": 1}
+    assert counts == wanted, counts
+    return (
+        f"N={num_microbatches} ({axis_type}): the big batch's; "
+        f"{len(collectives)} collectives, none in a loop: "
+        + ", ".join(sorted(c.op for c in collectives))
+    )
+
+
+def check_refusals() -> str:
+    """axis_name equal to the data axis, FSDP parameters, and a call inside
+    the caller's own shard_map: each a jaxaccum error naming it."""
+    params, batch = problem()
+    mesh = jax.make_mesh((8,), ("data",))
+    sharded = jaxaccum.shard_batch(batch, mesh)
+    clash = jaxaccum.shard_value_and_grad(device_loss, 2, mesh=mesh, axis_name="data")
+    wide = jnp.zeros((6, 8))  # a weight whose 8 columns split over the devices
+    fsdp = {
+        **params,
+        "image": jax.device_put(wide, NamedSharding(mesh, P(None, "data"))),
+    }
+    named = jaxaccum.shard_value_and_grad(device_loss, 2, mesh=mesh, axis_name=AXIS)
+    inside = jax.shard_map(
+        lambda p, b: jaxaccum.shard_value_and_grad(
+            device_loss, 2, data_axis="data", axis_name=AXIS
+        )(p, b),
+        mesh=mesh,
+        in_specs=(P(), P("data")),
+        out_specs=P(),
+    )
+    cases = {
+        "is an axis of the mesh": lambda: clash(params, sharded),
+        "sharded .* over the data axes": lambda: named(fsdp, sharded),
+        "inside the caller's own shard_map": lambda: inside(params, sharded),
+    }
+    for wanted, call in cases.items():
+        try:
+            call()
+        except ValueError as error:
+            assert re.search(wanted, str(error)), (wanted, str(error))
+        else:
+            raise AssertionError(f"no error: {wanted}")
+    return "refused: " + "; ".join(cases)
 
 
 CHECKS = {
     "axis_name_auto_n4": lambda: check_under_jit("auto", 4),
     "axis_name_explicit_n2": lambda: check_under_jit("explicit", 2),
-    "axis_name_shard_refuses": check_shard_refuses,
+    "axis_name_shard_auto_n2": lambda: check_shard("auto", 2),
+    "axis_name_shard_explicit_n1": lambda: check_shard("explicit", 1),
+    "axis_name_shard_refusals": check_refusals,
 }

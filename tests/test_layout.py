@@ -435,7 +435,7 @@ _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
         ("grad", _shard_spec.SHARD_OPTIONS),
         (
             "shard_value_and_grad",
-            ("state_argnums", "report_finite", "masked", *_NO_AXIS),
+            ("state_argnums", "report_finite", "masked"),
         ),
         ("equinox.filter_value_and_grad", (*_shard_spec.SHARD_OPTIONS, "argnums")),
         ("equinox.filter_grad", (*_shard_spec.SHARD_OPTIONS, "argnums")),

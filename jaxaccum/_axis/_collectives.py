@@ -6,9 +6,10 @@ micro-batch (stacked: the window's axis at ``axis`` of its array). Over the
 window, ``psum`` is a sum across the stacked axis (``N`` times a shared
 value), ``pmax`` and ``pmin`` a max and a min, ``all_gather`` the stacked
 values themselves in micro-batch order, and ``axis_index`` the micro-batch's
-index; positions a ``vmap`` inside ``fun`` added to the axes reduce as
-``jax.vmap`` reduces them, and other names (a device axis under
-``shard_map``) reduce after the window, by their own collective.
+index (JAX writes an index over several axes as one per axis); positions a
+``vmap`` inside ``fun`` added to the axes reduce as ``jax.vmap`` reduces
+them, and other names (a device axis under ``shard_map``) reduce after the
+window, by their own collective.
 """
 
 from collections.abc import Callable
@@ -85,22 +86,35 @@ def reduce_over_window(
 def gather_over_window(
     operand: Value, params: dict, axis_name: Any, size: int
 ) -> Value:
-    """``all_gather`` over the window: every micro-batch's value, in the
-    micro-batches' order, at ``all_gather_dimension`` (``tiled``: merged
-    into it)."""
-    _window_only(
-        "all_gather",
-        params,
-        axis_name,
-        "gather over the window, then over the others (two all_gathers)",
-    )
+    """``all_gather`` over the window (and device axes with it, the window's
+    first or last): every member's value, in the members' order (the first
+    name varies slowest), at ``all_gather_dimension`` (``tiled``: merged into
+    it)."""
+    names = params["axis_name"]
+    names = tuple(names) if isinstance(names, tuple | list) else (names,)
+    others = tuple(name for name in names if name != axis_name)
+    if others and names not in ((axis_name, *others), (*others, axis_name)):
+        raise TypeError(
+            f"all_gather over {names} puts the window's axis {axis_name!r} "
+            "between two others: put it first or last."
+        )
     dimension = params["all_gather_dimension"]
-    stacked = jnp.moveaxis(_replicated(operand.leading(size)), 0, dimension)
+    gathered = jnp.moveaxis(_replicated(operand.leading(size)), 0, dimension)
+    if others:  # (.., D, N, ..): the devices outside, the micro-batches inside
+        gathered = lax.all_gather(gathered, others, axis=dimension)
+        if names[0] == axis_name:
+            gathered = jnp.swapaxes(gathered, dimension, dimension + 1)
+        gathered = _merge(gathered, dimension)
     if params["tiled"]:
-        shape = stacked.shape
-        merged = (shape[dimension] * shape[dimension + 1],)
-        stacked = stacked.reshape(*shape[:dimension], *merged, *shape[dimension + 2 :])
-    return Value(stacked)
+        gathered = _merge(gathered, dimension)
+    return Value(gathered)
+
+
+def _merge(array: Any, dimension: int) -> Any:
+    """``array`` with its dimensions ``dimension`` and the next merged."""
+    shape = array.shape
+    merged = (shape[dimension] * shape[dimension + 1],)
+    return array.reshape(*shape[:dimension], *merged, *shape[dimension + 2 :])
 
 
 def _window_only(name: str, params: dict, axis_name: Any, fix: str) -> None:

@@ -14,6 +14,7 @@ from jax import lax
 from jaxaccum._axis._collectives import Value
 from jaxaccum._window import _split
 from jaxaccum._window._accum_dtypes import accum_dtype_for
+from jaxaccum._window._microbatch import fold_device_index
 from jaxaccum._window._spec import WindowSpec
 
 
@@ -101,8 +102,11 @@ def _leaf_value(leaf: jax.Array, role: Any, size: int, accum: Any) -> tuple:
 
 def split_keys(args: tuple, spec: WindowSpec, size: int) -> tuple:
     """Each key argument split into ``size`` keys, as the core splits them
-    (the key itself, stacked once, for one micro-batch)."""
+    (the key itself, stacked once, for one micro-batch); per device, folded
+    with the device's index first (as the core folds them)."""
     keys = tuple(args[num] for num in spec.key_nums)
+    if spec.data_axes:
+        keys = fold_device_index(keys, spec.data_axes)
     if size > 1:
         return jax.tree.map(lambda key: jax.random.split(key, size), keys)
     return jax.tree.map(lambda key: jnp.expand_dims(key, 0), keys)

@@ -46,17 +46,23 @@ class Total(NamedTuple):
         )
         return cls(total, count, loss.dtype)
 
-    def normalized(self, grads: Any) -> tuple[jax.Array, Any]:
-        """The value and the gradients, divided by the count (zeros where a
-        weighted window weighs nothing)."""
-        if self.count is None:
-            return self.value.astype(self.dtype), grads
-        value, grads = divide_by_total_weight((self.value, grads), self.count)
+    def normalized(self, grads: Any, data_axes: tuple) -> tuple[jax.Array, Any]:
+        """The value and the gradients: per device, each device's total and
+        gradient summed over ``data_axes`` once; then divided by the count
+        (zeros where a weighted window weighs nothing)."""
+        total, count = self.value, self.count
+        if data_axes:
+            total, grads = lax.psum((total, grads), data_axes)
+            count = None if count is None else lax.psum(count, data_axes)
+        if count is None:
+            return total.astype(self.dtype), grads
+        value, grads = divide_by_total_weight((total, grads), count)
         return value.astype(self.dtype), grads
 
 
 def reduced_aux(stacked: Any, spec: WindowSpec, size: int) -> Any:
-    """Aux stacked over the micro-batches, reduced as the core reduces it."""
+    """Aux stacked over the micro-batches, reduced as the core reduces it
+    (per device, means and sums then over the devices)."""
     if not spec.has_aux:
         return ()
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
@@ -71,7 +77,22 @@ def reduced_aux(stacked: Any, spec: WindowSpec, size: int) -> Any:
             carry.append(leaf[-1])
         else:
             carry.append(jnp.sum(leaf.astype(dtype), axis=0))
-    return plan.finalize(carry, stacks, size, size * _rows(one, plan))
+    aux = plan.finalize(carry, stacks, size, size * _rows(one, plan))
+    if not spec.data_axes:
+        return aux
+    leaves = [
+        _over_devices(leaf, reduction, spec.data_axes)
+        for leaf, reduction in zip(jax.tree.leaves(aux), plan.reductions, strict=True)
+    ]
+    return jax.tree.unflatten(plan.treedef, leaves)
+
+
+def _over_devices(leaf: jax.Array, reduction: str, data_axes: tuple) -> jax.Array:
+    """A reduced aux leaf over the devices: means and sums (the others are
+    refused per device, as the core refuses them)."""
+    if reduction == "mean":
+        return lax.pmean(leaf, data_axes)
+    return lax.psum(leaf, data_axes) if reduction == "sum" else leaf
 
 
 def _rows(one: Any, plan: AuxPlan) -> int:

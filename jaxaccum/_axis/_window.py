@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum._axis._collectives import Value
+from jaxaccum._axis._devices import check_per_device
 from jaxaccum._axis._inputs import FlatCall, batch_split, flat_call, split_keys
 from jaxaccum._axis._reduce import Total, reduced_aux, window_state
 from jaxaccum._axis._segments import Window, run
@@ -33,6 +34,7 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
     def accumulated(*args: PyTree, **kwargs: PyTree) -> PyTree:
         check_arg_count(args, spec)
         check_differentiable_args(args, spec.diff_nums)
+        check_per_device(spec)
         split = batch_split(args, spec)
         size = split.num_microbatches
         call = flat_call(args, kwargs, spec, size, split_keys(args, spec, size))
@@ -102,7 +104,7 @@ def _value_and_grad(
     (_, (total, aux, new_state)), grads = jax.value_and_grad(
         window_total, has_aux=True
     )(diff)
-    value, grads = total.normalized(grads)
+    value, grads = total.normalized(grads, spec.data_axes)
     aux = reduced_aux(aux, spec, size)
     return _package(value, aux, new_state, grads, call, spec, args)
 

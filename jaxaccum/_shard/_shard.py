@@ -142,11 +142,6 @@ _NOT_SHARDED = {
     "flags (microbatch_finite, finite).",
     "masked": "use jaxaccum.value_and_grad(..., masked=True) on the sharded "
     "batch under jit.",
-    "axis_name": "not yet per device: under shard_map JAX's types do not let "
-    "a collective mix a mesh axis with the window's. Use "
-    "jaxaccum.value_and_grad(..., axis_name=...) on the sharded batch under "
-    "jit: each micro-batch spans every device, so the window's collectives "
-    "meet across the whole batch.",
 }
 
 
@@ -187,16 +182,16 @@ def shard_value_and_grad(
       pad: as for :func:`jaxaccum.value_and_grad`, per device.
       unroll: passed to ``jax.lax.scan``.
       remat: as for :func:`jaxaccum.value_and_grad`.
-      report_stats: also return a :class:`jaxaccum.WindowStats` of each
-        device's local micro-batch norms (``b = B / (N D)``).
+      report_stats: also return a :class:`jaxaccum.WindowStats` (local norms).
       param_gather: ``"auto"`` (``"microbatch"``), ``"window"`` or
         ``"microbatch"``: when FSDP parameters are all-gathered.
       grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: when gradients
         are reduced (``"auto"``: every micro-batch for FSDP leaves, else once).
-      gather_dtype: a dtype (``jnp.bfloat16``) FSDP shards are cast to for their
-        all-gather; the loss sees them in their own dtype.
+      gather_dtype: a dtype FSDP shards are cast to for their all-gather.
       loss_scale: as for :func:`jaxaccum.value_and_grad`; the window is finite
         on every device or on none.
+      axis_name: as for :func:`jaxaccum.value_and_grad`; a collective over
+        ``(data_axis, axis_name)`` meets across devices and micro-batches.
 
     Returns:
       A function with ``fun``'s positional signature returning what

@@ -69,6 +69,12 @@ def run_per_device(
     already manual over the data axes, ``per_device`` runs on the rows given
     (``mesh`` is then the context's)."""
     if manual_over(mesh, options.data_axes):
+        if options.axis_name is not None:
+            raise ValueError(
+                "axis_name inside the caller's own shard_map: its varying-axis "
+                "types refuse a collective over a data axis and the window's "
+                "together. Call shard_value_and_grad outside the shard_map."
+            )
         check_given_rows(args, options)
         return per_device(*args, **kwargs)
     mapped_nums = tuple(
@@ -213,6 +219,10 @@ def shard_mapped(
             in_specs=(mapped_specs, PartitionSpec()),
             out_specs=out_specs(options, param_specs),
             axis_names=set(data_axes),
+            # A window over a named axis traces collectives over a data axis
+            # and the window's together, which JAX's varying-axis types do not
+            # let one name; it sums its gradients over the devices itself.
+            check_vma=options.axis_name is None,
         )
         fitted = tuple(
             value
