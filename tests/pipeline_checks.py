@@ -24,12 +24,14 @@ counted twice or in a bubble, a stage applied out of order, a gradient
 scaled by the wrong count) moves results by 1e-2 and more.
 """
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import resource
 import sys
 import time
+import unittest.mock
 
 import chex
 import jax
@@ -298,15 +300,17 @@ def make_case(name, dtype=np.float32, axis_type=AxisType.Explicit, schedule="gpi
     params = make_params(stages * repeats, dtype)
     batch = make_batch(ROWS * num * shards, dtype)
     fsdp = data_axis if data_axis == "fsdp" else None
-    placed_params = jax.device_put(
-        params,
+    placed_params = jax.device_put(  # from the host: no resharding to compile
+        jax.tree.map(np.asarray, params),
         jax.tree.map(
             lambda spec: NamedSharding(mesh, spec),
             param_specs(fsdp),
             is_leaf=lambda x: isinstance(x, P),
         ),
     )
-    placed_batch = jax.device_put(batch, NamedSharding(mesh, P(data_axis)))
+    placed_batch = jax.device_put(
+        jax.tree.map(np.asarray, batch), NamedSharding(mesh, P(data_axis))
+    )
     placed = (placed_params, placed_batch)
     return Case(mesh, data_axis, num, repeats, params, batch, placed, schedule)
 
@@ -331,10 +335,40 @@ def compiled_run(step, *args):
     return compiled, compiled(*args)
 
 
+@functools.cache
+def reference_step(stage=stage_fn, loss=loss_fn):
+    """The sequential model's jitted ``value_and_grad``, one a (stage, loss):
+    the cases of the same shapes and dtype share its compilation."""
+    return jax.jit(jax.value_and_grad(functools.partial(sequential, stage, loss)))
+
+
 def reference(case, stage=stage_fn):
-    return jax.jit(jax.value_and_grad(functools.partial(sequential, stage, loss_fn)))(
-        case.params, case.batch
-    )
+    return reference_step(stage)(case.params, case.batch)
+
+
+# What a compile-only check reads (memory_analysis, cost_analysis, the
+# collectives) is decided by XLA's HLO passes; the backend's optimisation
+# level changes only the machine code, which such a check never runs, so it
+# compiles at level 0 (same bytes and FLOPs, a fraction of the compile time).
+READ_ONLY = {"xla_backend_optimization_level": 0}
+
+
+def compile_to_read(lowered):
+    """A program compiled to be read, never run (READ_ONLY)."""
+    return lowered.compile(compiler_options=READ_ONLY)
+
+
+@contextlib.contextmanager
+def compiles_to_read():
+    """Within, ``Lowered.compile()`` compiles READ_ONLY: for plan_pipeline,
+    which compiles each window only to read its memory and FLOPs."""
+    compile_as_given = jax.stages.Lowered.compile
+
+    def read_only(lowered, compiler_options=None, **kwargs):
+        return compile_as_given(lowered, compiler_options or READ_ONLY, **kwargs)
+
+    with unittest.mock.patch.object(jax.stages.Lowered, "compile", read_only):
+        yield
 
 
 def check_shardings(grads, params):
@@ -390,8 +424,11 @@ def check_collectives(case, compiled):
 
 
 def max_error(out, expected):
+    """In NumPy: eager jnp on the step's sharded outputs compiles each op for
+    each leaf's shape and sharding (a second a check)."""
+    out, expected = jax.device_get((out, expected))
     return max(
-        float(jnp.max(jnp.abs(a - b)))
+        float(np.max(np.abs(np.subtract(a, b, dtype=np.result_type(a, b)))))
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True)
     )
 
@@ -764,13 +801,13 @@ def program_flops(case, **options):
     """FLOPs of the whole window over all devices: XLA counts a loop's body
     once whatever its trip count, so the scan is unrolled here."""
     step = pipelined(case, unroll=True, **options)
-    compiled = jax.jit(step).lower(*case.placed).compile()
+    compiled = compile_to_read(jax.jit(step).lower(*case.placed))
     return compiled.cost_analysis()["flops"] * case.num_stages
 
 
 def sequential_flops(case):
-    step = jax.jit(jax.value_and_grad(functools.partial(sequential, stage_fn, loss_fn)))
-    return step.lower(case.params, case.batch).compile().cost_analysis()["flops"]
+    lowered = reference_step().lower(case.params, case.batch)
+    return compile_to_read(lowered).cost_analysis()["flops"]
 
 
 def check_flops():
@@ -824,14 +861,14 @@ def check_memory():
     temps = {}
     for remat, num in ((False, 4), (False, 8), (True, 4), (True, 8), (True, 12)):
         case = wide_case(stages, num)
-        compiled = jax.jit(pipelined(case, remat=remat)).lower(*case.placed).compile()
-        memory = compiled.memory_analysis()
+        lowered = jax.jit(pipelined(case, remat=remat)).lower(*case.placed)
+        memory = compile_to_read(lowered).memory_analysis()
         temps[remat, num] = memory.temp_size_in_bytes
     # The remat=True window (GPipe, stages rematerialised) is exact, within
     # the bound above for this model's sizes.
     rtol = tolerance(UNIT_ROUNDOFF, stages, WIDE, WIDE_ROWS * num)
     chex.assert_trees_all_close(
-        compiled(*case.placed), reference(case), rtol=rtol, atol=rtol
+        lowered.compile()(*case.placed), reference(case), rtol=rtol, atol=rtol
     )
     embed, stage_params, head = case.params
     whole = sum(x.nbytes for x in jax.tree.leaves((embed, head, case.batch)))
@@ -1007,26 +1044,27 @@ def check_plan_pipeline():
     )
     table = {}
     schedules = ("gpipe", "1f1b", "zero-bubble")
-    for schedule, num in itertools.product(schedules, (4, 8, 16)):
-        one = plan(
-            memory_budget=2**40, candidates=[num], schedule=schedule, remat=False
-        )
-        table[schedule, False, num] = (one.footprint_bytes, one.efficiency)
-    footprints = sorted(footprint for footprint, _ in table.values())
-    for budget in (footprints[0], footprints[len(footprints) // 2], footprints[-1]):
-        chosen = plan(memory_budget=budget, candidates=(4, 8, 16), remat=False)
-        fitting = [e for f, e in table.values() if f <= budget]
-        assert chosen.efficiency == max(fitting), (budget, chosen, table)
-        key = (chosen.schedule, chosen.remat, chosen.num_microbatches)
-        footprint, _ = table[key]
-        assert chosen.footprint_bytes == footprint <= budget, (chosen, table)
-        assert "<- chosen" in str(chosen)
-    try:
-        plan(memory_budget=footprints[0] - 1, candidates=(4, 8, 16), remat=False)
-    except ValueError as error:
-        assert "No window fits" in str(error), error
-    else:
-        raise AssertionError("a budget below every footprint was planned")
+    with compiles_to_read():
+        for schedule, num in itertools.product(schedules, (4, 8, 16)):
+            one = plan(
+                memory_budget=2**40, candidates=[num], schedule=schedule, remat=False
+            )
+            table[schedule, False, num] = (one.footprint_bytes, one.efficiency)
+        footprints = sorted(footprint for footprint, _ in table.values())
+        for budget in (footprints[0], footprints[len(footprints) // 2], footprints[-1]):
+            chosen = plan(memory_budget=budget, candidates=(4, 8, 16), remat=False)
+            fitting = [e for f, e in table.values() if f <= budget]
+            assert chosen.efficiency == max(fitting), (budget, chosen, table)
+            key = (chosen.schedule, chosen.remat, chosen.num_microbatches)
+            footprint, _ = table[key]
+            assert chosen.footprint_bytes == footprint <= budget, (chosen, table)
+            assert "<- chosen" in str(chosen)
+        try:
+            plan(memory_budget=footprints[0] - 1, candidates=(4, 8, 16), remat=False)
+        except ValueError as error:
+            assert "No window fits" in str(error), error
+        else:
+            raise AssertionError("a budget below every footprint was planned")
     rows = ROWS * 2 * chosen.num_microbatches
     case = Case(
         mesh, "data", chosen.num_microbatches, 1, make_params(4), make_batch(rows), ()
@@ -1079,8 +1117,8 @@ def check_one_f_one_b_nan():
 
 
 def temp_bytes(case, **options):
-    compiled = jax.jit(pipelined(case, **options)).lower(*case.placed).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    lowered = jax.jit(pipelined(case, **options)).lower(*case.placed)
+    return compile_to_read(lowered).memory_analysis().temp_size_in_bytes
 
 
 @functools.cache

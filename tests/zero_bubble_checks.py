@@ -25,6 +25,7 @@ from pipeline_checks import (
     check_report_stats,
     check_sum_reduction,
     check_weighted_aux_keys,
+    compile_to_read,
     nan_at_zero_stage,
     normal,
     program_flops,
@@ -121,7 +122,7 @@ def slot_flops(remat: bool) -> dict[str, float]:
     y, saved, pullback = forward(stage, given, x)
 
     def flops(fun, *args):
-        return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
+        return compile_to_read(jax.jit(fun).lower(*args)).cost_analysis()["flops"]
 
     leaves, tree = jax.tree.flatten((given, saved, y))
 
