@@ -136,6 +136,25 @@ def check_shard(axis_type: str, num_microbatches: int) -> str:
     )
 
 
+def check_no_collective() -> str:
+    """A loss with no collective over the window: the plain window per
+    device (run in the shard_map without varying-axis types), the big
+    batch's."""
+    params, batch = problem()
+
+    def plain_loss(params, batch):
+        return jnp.mean(jnp.tanh(batch["x"] @ params["image"]) ** 2)
+
+    mesh = jax.make_mesh((8,), ("data",))
+    step = jax.jit(
+        jaxaccum.shard_value_and_grad(plain_loss, 2, mesh=mesh, axis_name=AXIS)
+    )
+    got = step(params, jaxaccum.shard_batch(batch, mesh))
+    want = jax.value_and_grad(plain_loss)(params, batch)
+    chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+    return "the plain window per device: the big batch's"
+
+
 def check_refusals() -> str:
     """axis_name equal to the data axis, FSDP parameters, and a call inside
     the caller's own shard_map: each a jaxaccum error naming it."""
@@ -178,4 +197,5 @@ CHECKS = {
     "axis_name_shard_auto_n2": lambda: check_shard("auto", 2),
     "axis_name_shard_explicit_n1": lambda: check_shard("explicit", 1),
     "axis_name_shard_refusals": check_refusals,
+    "axis_name_shard_no_collective": check_no_collective,
 }
