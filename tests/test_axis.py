@@ -644,3 +644,27 @@ def test_plan_compiles_the_window_over_the_axis():
     for row in result.rows:
         step = jaxaccum.value_and_grad(loss, row.num_microbatches, axis_name=AXIS)
         assert row.temp_bytes == bench.temp_bytes(step, params, batch)
+
+
+def test_collectives_inside_jit_and_checkpoint_are_cut():
+    """A BatchNorm inside a jitted and a checkpointed function of the loss:
+    the calls are inlined into the cut, exact in float64."""
+
+    @jax.jit
+    def normalized(h):
+        mean = lax.pmean(jnp.mean(h, 0), AXIS)
+        return h - mean
+
+    @jax.checkpoint
+    def scaled(h):
+        return h * lax.rsqrt(lax.pmean(jnp.mean(h**2, 0), AXIS) + 1e-5)
+
+    def loss(params, batch):
+        hidden = scaled(normalized(batch["x"] @ params["image"]))
+        return jnp.mean(jnp.tanh(hidden) ** 2)
+
+    with jax.enable_x64():
+        params, batch = tower_problem()
+        want = big_batch(loss, params, batch, has_aux=False)
+        step = jaxaccum.value_and_grad(loss, 4, axis_name=AXIS)
+        assert_close(jax.jit(step)(params, batch), want, FLOAT64_TOL, "jit, remat")
