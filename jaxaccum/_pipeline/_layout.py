@@ -152,18 +152,8 @@ def _shapes(
             "change of shape into embed_fn or loss_fn."
         )
     own = jax.eval_shape(calls.own_loss, head, x, micro, key)
-    if jnp.shape(own.loss) != ():
-        raise TypeError(
-            f"loss_fn must return a scalar loss for its micro-batch, got shape "
-            f"{jnp.shape(own.loss)}."
-        )
-    if not jnp.issubdtype(own.loss.dtype, jnp.floating):
-        raise TypeError(
-            f"loss_fn must return a float loss, got dtype {own.loss.dtype}: the "
-            "gradient of an integer or bool loss is zero (jax.grad refuses one). "
-            "Return a differentiable float loss; a count such as jnp.sum(y > 0) "
-            "belongs in aux (has_aux=True)."
-        )
+    # loss_fn's value is checked (a real float scalar) where it is read:
+    # _calls._as_loss_out, with every front end's message.
     return Shapes(x, jax.eval_shape(calls.loss, head, x, micro, key), own)
 
 

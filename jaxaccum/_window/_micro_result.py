@@ -101,14 +101,17 @@ def checked_loss(loss: Any, fun: str) -> Any:
             f"got a {type(loss).__name__}."
         )
     shape, dtype = jnp.shape(loss), jnp.result_type(loss)
-    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    if shape != ():
         raise TypeError(
-            f"{fun} must return a real floating-point scalar loss, got shape "
-            f"{shape} and dtype {dtype}: gradients need real-valued scalar "
-            "outputs, as jax.value_and_grad's do. Reduce the loss to a scalar "
-            "(jnp.mean, jnp.sum); cast an integer loss to a float dtype; for "
-            "a complex one, differentiate its real part or absolute value, or "
-            "use jax.vjp directly."
+            f"{fun} must return a scalar loss, got shape {shape}: reduce it "
+            "over its batch (jnp.mean, jnp.sum), as jax.value_and_grad needs."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{fun} must return a float loss, got dtype {dtype}: the gradient "
+            "of an integer or bool loss is zero and a complex one's is its real "
+            "part's (jax.value_and_grad refuses both). Return a real float loss; "
+            "a count such as jnp.sum(y > 0) belongs in aux (has_aux=True)."
         )
     return loss
 
