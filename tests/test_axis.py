@@ -483,7 +483,7 @@ def _vmapped_reference(loss, params, batch, key, num, reduction, aux_reduction):
     return value, grads
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(
     num=st.sampled_from([1, 2, 4, 8]),
     by_size=st.booleans(),
