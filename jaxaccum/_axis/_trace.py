@@ -1,7 +1,8 @@
 """``fun`` traced for one micro-batch with the window's axis bound, flattened
 into one list of equations: calls (``jit``, ``checkpoint``) inlined, so that a
-collective inside them is cut like one outside; a collective over the window
-inside a construct whose body cannot be cut (a loop, a branch, a custom
+collective inside them is cut like one outside; a ``lax.scan`` whose body holds
+one (a layer scan) unrolled, step by step; a collective over the window inside
+a construct whose body cannot be cut (a while loop, a branch, a custom
 derivative) refused, naming the construct."""
 
 from collections.abc import Callable, Sequence
