@@ -39,8 +39,7 @@ def value_and_grad(
     Args:
       fun: the loss, ``fun(*args, **kwargs)``: a scalar (``(loss, aux)`` with
         ``has_aux``; ``(loss_sum, weight)`` with ``reduction="weighted"``).
-      num_microbatches: ``N``, dividing the batch size (unless ``pad``); or
-        ``microbatch_size``.
+      num_microbatches: ``N``, dividing the batch (unless ``pad``), or None.
       **options: the keyword options below.
 
     Keyword Args:

@@ -70,9 +70,8 @@ def cached_value_and_grad(
     Raises:
       TypeError: for an unknown option or one without meaning here (the
         message says why), non-float ``argnums``, a loss not a real scalar.
-      ValueError: for a batch ``N`` does not divide, an output leaf without
-        the micro-batch's leading axis, mutable state among the outputs;
-        with a mesh, a ``data_axis`` not in it or an FSDP parameter (named).
+      ValueError: for a batch ``N`` does not divide, an output without its
+        leading axis, mutable state; with a mesh, a foreign axis or FSDP leaf.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxaccum

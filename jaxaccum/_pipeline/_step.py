@@ -155,8 +155,7 @@ def pipeline_value_and_grad(
       loss_scale: ``True``: the step takes ``loss_scale=`` (a
         :class:`jaxaccum.DynamicLossScale`), as :func:`jaxaccum.value_and_grad`.
       unroll: passed to ``jax.lax.scan``.
-      param_gather: ``"auto"`` or ``"window"``: FSDP parameters are gathered
-        once, before the loop; ``"microbatch"`` is refused.
+      param_gather: ``"auto"`` or ``"window"``: FSDP parameters gathered once.
       grad_reduce: ``"auto"`` or ``"window"``: gradients reduced once, after.
 
     Returns:

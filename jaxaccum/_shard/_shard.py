@@ -170,8 +170,7 @@ def shard_value_and_grad(
       **keywords: the keyword options below.
 
     Keyword Args:
-      microbatch_size: examples per micro-batch over all devices (a multiple of
-        ``D``), instead of ``N``.
+      microbatch_size: examples per micro-batch over all ``D`` devices.
       argnums: as for :func:`jaxaccum.value_and_grad`.
       batch_argnums: as there; sharded over ``data_axis`` on axis 0.
       key_argnums: PRNG keys, folded with the device's index, split per micro-batch.
