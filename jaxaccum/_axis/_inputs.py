@@ -14,7 +14,7 @@ from jax import lax
 from jaxaccum._axis._collectives import Value
 from jaxaccum._window import _split
 from jaxaccum._window._accum_dtypes import accum_dtype_for
-from jaxaccum._window._microbatch import fold_device_index
+from jaxaccum._window._microbatch import fold_device_index, microbatch_keys
 from jaxaccum._window._spec import WindowSpec
 
 
@@ -107,9 +107,7 @@ def split_keys(args: tuple, spec: WindowSpec, size: int) -> tuple:
     keys = tuple(args[num] for num in spec.key_nums)
     if spec.data_axes:
         keys = fold_device_index(keys, spec.data_axes)
-    if size > 1:
-        return jax.tree.map(lambda key: jax.random.split(key, size), keys)
-    return jax.tree.map(lambda key: jnp.expand_dims(key, 0), keys)
+    return microbatch_keys(keys, size)
 
 
 def batch_split(args: tuple, spec: WindowSpec) -> _split.Split:

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jaxaccum._shard._shard import (
     call_mesh,
@@ -20,7 +19,7 @@ from jaxaccum._types import CachedKwargs, PyTree
 from jaxaccum._window._accum_dtypes import accum_dtype_for, zeros_like_aval
 from jaxaccum._window._call_checks import check_arg_count, check_differentiable_args
 from jaxaccum._window._micro_result import aux_pair, checked_loss
-from jaxaccum._window._microbatch import fold_device_index
+from jaxaccum._window._microbatch import fold_device_index, microbatch_keys
 from jaxaccum._window._shard_spec import SHARD_OPTIONS
 from jaxaccum._window._spec import WindowSpec
 from jaxaccum._window._split import (
@@ -154,11 +153,7 @@ def window_of(args: tuple, spec: WindowSpec) -> CachedWindow:
     num = split.num_microbatches
     if num > 1:
         check_sharded_split(labelled, split.padded_size, num)
-        keys = jax.tree.map(
-            lambda key: jax.random.split(key, num), key_args(args, spec)
-        )
-    else:  # one micro-batch gets the key unchanged, as jax.value_and_grad does
-        keys = jax.tree.map(lambda key: jnp.expand_dims(key, 0), key_args(args, spec))
+    keys = microbatch_keys(key_args(args, spec), num)
     batch = strided_batch(tuple(args[i] for i in spec.batch_nums), num)
     return CachedWindow(num, split.microbatch_size, batch, keys)
 

@@ -12,7 +12,12 @@ from jaxaccum._window import _split
 from jaxaccum._window._accum_dtypes import zeros_like_aval
 from jaxaccum._window._call_checks import check_state
 from jaxaccum._window._micro_result import MicroResult
-from jaxaccum._window._microbatch import Inputs, gathered, window_num_means
+from jaxaccum._window._microbatch import (
+    Inputs,
+    gathered,
+    microbatch_keys,
+    window_num_means,
+)
 from jaxaccum._window._spec import WindowSpec
 from jaxaccum._window._window import Window, WindowOut
 
@@ -65,7 +70,7 @@ def run_scan(
     mask_view = None
     if inputs.example_mask is not None:
         mask_view = _split.strided_view(inputs.example_mask, num)
-    keys = jax.tree.map(lambda key: jax.random.split(key, num), inputs.keys)
+    keys = microbatch_keys(inputs.keys, num)
 
     def mask_at(index):
         return None if mask_view is None else _split.take_microbatch(mask_view, index)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._precision._loss_scale import scale_loss
-from jaxaccum._types import Fun
+from jaxaccum._types import Fun, PyTree
 from jaxaccum._window import _split
 from jaxaccum._window._fsdp import shard_plan
 from jaxaccum._window._micro_result import (
@@ -118,6 +118,15 @@ def micro_value_and_grad(
         return MicroResult(value, out, grads, share)
 
     return micro
+
+
+def microbatch_keys(keys: PyTree, num_microbatches: int) -> PyTree:
+    """Each key of ``keys`` as ``num_microbatches`` keys stacked on axis 0,
+    micro-batch ``k``'s at ``k``, as the core's scan draws them (the key
+    itself, unsplit, for one micro-batch, as ``jax.value_and_grad`` sees it)."""
+    if num_microbatches > 1:
+        return jax.tree.map(lambda key: jax.random.split(key, num_microbatches), keys)
+    return jax.tree.map(lambda key: jnp.expand_dims(key, 0), keys)
 
 
 def fold_device_index(key_vals: tuple, data_axes: tuple[str, ...]) -> tuple:
