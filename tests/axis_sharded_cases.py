@@ -129,6 +129,24 @@ def check_shard(axis_type: str, num_microbatches: int) -> str:
     counts = collections.Counter(c.op for c in collectives)
     wanted = {"all-reduce": 5, "all-gather": 1, "reduce-scatter": 1}
     assert counts == wanted, counts
+
+    # Aux as the core reduces it over devices and micro-batches: a sum of
+    # rows counts the whole batch; a per-micro-batch aux is refused.
+    def with_aux(params, batch):
+        rows = jnp.asarray(batch["x"].shape[0], jnp.float32)
+        return device_loss(params, batch), {"rows": rows}
+
+    counted = jaxaccum.shard_value_and_grad(
+        with_aux,
+        num_microbatches,
+        mesh=mesh,
+        axis_name=AXIS,
+        has_aux=True,
+        aux_reduction="sum",
+    )
+    (value, aux), _ = jax.jit(counted)(params, sharded)
+    chex.assert_trees_all_close(value, want[0], rtol=RTOL, atol=ATOL)
+    assert float(aux["rows"]) == BATCH, aux
     return (
         f"N={num_microbatches} ({axis_type}): the big batch's; "
         f"{len(collectives)} collectives, none in a loop: "
@@ -176,8 +194,17 @@ def check_refusals() -> str:
         in_specs=(P(), P("data")),
         out_specs=P(),
     )
+    last = jaxaccum.shard_value_and_grad(
+        lambda p, b: (device_loss(p, b), {"loss": device_loss(p, b)}),
+        2,
+        mesh=mesh,
+        axis_name=AXIS,
+        has_aux=True,
+        aux_reduction="last",
+    )
     cases = {
         "is an axis of the mesh": lambda: clash(params, sharded),
+        r"aux_reduction \['last'\] is not supported": lambda: last(params, sharded),
         "sharded .* over the data axes": lambda: named(fsdp, sharded),
         "inside the caller's own shard_map": lambda: inside(params, sharded),
     }

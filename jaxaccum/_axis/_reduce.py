@@ -61,38 +61,20 @@ class Total(NamedTuple):
 
 
 def reduced_aux(stacked: Any, spec: WindowSpec, size: int) -> Any:
-    """Aux stacked over the micro-batches, reduced as the core reduces it
-    (per device, means and sums then over the devices)."""
+    """Aux stacked over the micro-batches, reduced as the core reduces it:
+    per device, the means' and sums' carries summed over the devices before
+    they are finalized (per-micro-batch reductions refused there)."""
     if not spec.has_aux:
         return ()
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
     plan = AuxPlan(spec.aux_reduction, one, spec.accum_dtype)
-    carry, stacks = [], []
-    for leaf, reduction, dtype in zip(
-        jax.tree.leaves(stacked), plan.reductions, plan.accum_dtypes, strict=True
-    ):
-        if reduction in ("stack", "concat"):
-            stacks.append(leaf)
-        elif reduction == "last":
-            carry.append(leaf[-1])
-        else:
-            carry.append(jnp.sum(leaf.astype(dtype), axis=0))
-    aux = plan.finalize(carry, stacks, size, size * _rows(one, plan))
-    if not spec.data_axes:
-        return aux
-    leaves = [
-        _over_devices(leaf, reduction, spec.data_axes)
-        for leaf, reduction in zip(jax.tree.leaves(aux), plan.reductions, strict=True)
-    ]
-    return jax.tree.unflatten(plan.treedef, leaves)
-
-
-def _over_devices(leaf: jax.Array, reduction: str, data_axes: tuple) -> jax.Array:
-    """A reduced aux leaf over the devices: means and sums (the others are
-    refused per device, as the core refuses them)."""
-    if reduction == "mean":
-        return lax.pmean(leaf, data_axes)
-    return lax.psum(leaf, data_axes) if reduction == "sum" else leaf
+    plan.check_per_device(spec.data_axes)
+    carry, stacks = plan.from_stacked(stacked)
+    num_means: Any = size
+    if spec.data_axes:
+        carry = lax.psum(carry, spec.data_axes)
+        num_means = size * lax.axis_size(spec.data_axes)
+    return plan.finalize(carry, stacks, num_means, size * _rows(one, plan))
 
 
 def _rows(one: Any, plan: AuxPlan) -> int:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jaxaccum._types import AUX_REDUCTIONS, PyTree
 from jaxaccum._window._accum_dtypes import accum_dtype_for, sum_dtype, zeros_like_aval
+from jaxaccum._window._spec import PER_MICROBATCH_AUX
 
 
 def strided_to_batch_order(stacked: jax.Array, batch_size: int) -> jax.Array:
@@ -80,6 +81,39 @@ class AuxPlan:
                     f"({microbatch_size}). Use 'stack' to keep per-micro-batch "
                     "values, or 'mean' / 'sum' to reduce them."
                 )
+
+    def check_per_device(self, data_axes: tuple) -> None:
+        """With data axes (each device accumulating its own rows), only
+        reductions over micro-batches and devices: mean and sum.
+
+        Raises:
+          ValueError: naming the per-micro-batch reductions and what to use.
+        """
+        per_device = set(PER_MICROBATCH_AUX) & set(self.reductions)
+        if data_axes and per_device:
+            raise ValueError(
+                f"aux_reduction {sorted(per_device)} is not supported when each "
+                "device accumulates its own rows (shard_value_and_grad): a "
+                "per-micro-batch aux value would be one device's, not the "
+                "batch's. Use 'mean' (averaged over micro-batches and devices, "
+                "exact for per-example means) or 'sum' for those aux leaves."
+            )
+
+    def from_stacked(self, stacked: PyTree) -> tuple[list, list]:
+        """The carry and the stacked leaves :meth:`finalize` takes, from
+        every micro-batch's aux at once (each leaf stacked on axis 0), as
+        :meth:`update` folds them one by one."""
+        carry, stacks = [], []
+        for leaf, reduction, dtype in zip(
+            jax.tree.leaves(stacked), self.reductions, self.accum_dtypes, strict=True
+        ):
+            if self._stacked(reduction):
+                stacks.append(leaf)
+            elif reduction == "last":
+                carry.append(leaf[-1])
+            else:
+                carry.append(jnp.sum(leaf.astype(dtype), axis=0))
+        return carry, stacks
 
     def init(self) -> list:
         return [

@@ -25,7 +25,7 @@ from jaxaccum._window._noise_scale import (
     unscaled_squared_norm,
 )
 from jaxaccum._window._reduce import divide_by_total_weight
-from jaxaccum._window._spec import PER_MICROBATCH_AUX, WindowSpec
+from jaxaccum._window._spec import WindowSpec
 from jaxaccum._window._split import Split
 
 
@@ -76,15 +76,7 @@ class Window:
             options.accum_dtype,
         )
         self.aux_plan.check_concat(split.microbatch_size)
-        per_device = set(PER_MICROBATCH_AUX) & set(self.aux_plan.reductions)
-        if options.data_axes and per_device:
-            raise ValueError(
-                f"aux_reduction {sorted(per_device)} is not supported when each "
-                "device accumulates its own rows (shard_value_and_grad): a "
-                "per-micro-batch aux value would be one device's, not the "
-                "batch's. Use 'mean' (averaged over micro-batches and devices, "
-                "exact for per-example means) or 'sum' for those aux leaves."
-            )
+        self.aux_plan.check_per_device(options.data_axes)
 
     def _zeros(self, aval: Any) -> jax.Array:
         dtype = accum_dtype_for(aval.dtype, self.options.accum_dtype)
