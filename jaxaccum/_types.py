@@ -177,7 +177,9 @@ class ShardKwargs(
     """The options of :func:`jaxaccum.shard_value_and_grad`."""
 
 
-class ModePlanKwargs(_Window, _HasAux, _Pad, _Argnums, _BatchRoles, _GatherDtype):
+class ModePlanKwargs(
+    _Window, _HasAux, _Pad, _Argnums, _BatchRoles, _GatherDtype, _AxisName
+):
     """The options of :func:`jaxaccum.plan_modes`, which sets the modes (and
     takes ``num_microbatches``, not ``microbatch_size``)."""
 

@@ -154,6 +154,71 @@ def check_shard(axis_type: str, num_microbatches: int) -> str:
     )
 
 
+def check_fsdp(num_microbatches: int) -> str:
+    """A weight sharded over the data axis (FSDP: 8 columns over 8 devices,
+    4 of them used): gathered once before the window, its gradient
+    reduce-scattered once after it, the big batch's value and gradients
+    (sharded as the weight); in the compiled program nothing collective in
+    a loop and exactly the parameter's gather and its gradient's scatter
+    added to the replicated case's collectives."""
+    params, batch = problem()
+    mesh = jax.make_mesh((8,), ("data",))
+    wide = jnp.concatenate([params["image"], jnp.ones((6, 4))], axis=1)
+    fsdp = {
+        **params,
+        "image": jax.device_put(wide, NamedSharding(mesh, P(None, "data"))),
+    }
+    want = jax.value_and_grad(
+        lambda p, b: big_batch({**p, "image": p["image"][:, :4]}, b)
+    )({**params, "image": wide}, batch)
+    step = jax.jit(
+        jaxaccum.shard_value_and_grad(
+            device_loss, num_microbatches, mesh=mesh, axis_name=AXIS
+        )
+    )
+    sharded = jaxaccum.shard_batch(batch, mesh)
+    value, grads = step(fsdp, sharded)
+    chex.assert_trees_all_close((value, grads), want, rtol=RTOL, atol=ATOL)
+    assert grads["image"].sharding.spec == P(None, "data"), grads["image"].sharding
+    collectives = find_collectives(step.lower(fsdp, sharded).compile())
+    assert not [c for c in collectives if c.in_loop], collectives
+    counts = collections.Counter(c.op for c in collectives)
+    # The replicated case's all-gather and reduce-scatter (the texts') plus
+    # the weight's all-gather before the window and its gradient's
+    # reduce-scatter after it, whole weight and shard; its all-reduces (at
+    # most five: XLA's combiner may merge the gradients' into a backward one).
+    assert (counts["all-gather"], counts["reduce-scatter"]) == (2, 2), collectives
+    assert counts["all-reduce"] <= 5, collectives
+    assert {"f32[6,8]", "f32[6,1]"} <= {c.shapes[0] for c in collectives}, collectives
+    # plan_modes compiles the one combination this window takes, the step.
+    planned = jaxaccum.plan_modes(
+        device_loss,
+        fsdp,
+        sharded,
+        num_microbatches=num_microbatches,
+        memory_budget="1GiB",
+        mesh=mesh,
+        axis_name=AXIS,
+    )
+    (row,) = planned.rows
+    assert (row.param_gather, row.grad_reduce) == ("window", "window"), planned
+    compiled = step.lower(fsdp, sharded).compile()
+    assert row.temp_bytes == compiled.memory_analysis().temp_size_in_bytes, planned
+    per_micro = jaxaccum.shard_value_and_grad(
+        device_loss, 2, mesh=mesh, axis_name=AXIS, param_gather="microbatch"
+    )
+    try:
+        per_micro(fsdp, sharded)
+    except ValueError as error:
+        assert "param_gather='microbatch' with axis_name" in str(error), error
+    else:
+        raise AssertionError("param_gather='microbatch' with FSDP not refused")
+    return (
+        f"FSDP, N={num_microbatches}: the big batch's; gathered and "
+        f"scattered once, none in a loop: {dict(counts)}"
+    )
+
+
 def check_no_collective() -> str:
     """A loss with no collective over the window: the plain window per
     device (run in the shard_map without varying-axis types), the big
@@ -174,18 +239,12 @@ def check_no_collective() -> str:
 
 
 def check_refusals() -> str:
-    """axis_name equal to the data axis, FSDP parameters, and a call inside
-    the caller's own shard_map: each a jaxaccum error naming it."""
+    """axis_name equal to the data axis, a per-micro-batch aux, and a call
+    inside the caller's own shard_map: each a jaxaccum error naming it."""
     params, batch = problem()
     mesh = jax.make_mesh((8,), ("data",))
     sharded = jaxaccum.shard_batch(batch, mesh)
     clash = jaxaccum.shard_value_and_grad(device_loss, 2, mesh=mesh, axis_name="data")
-    wide = jnp.zeros((6, 8))  # a weight whose 8 columns split over the devices
-    fsdp = {
-        **params,
-        "image": jax.device_put(wide, NamedSharding(mesh, P(None, "data"))),
-    }
-    named = jaxaccum.shard_value_and_grad(device_loss, 2, mesh=mesh, axis_name=AXIS)
     inside = jax.shard_map(
         lambda p, b: jaxaccum.shard_value_and_grad(
             device_loss, 2, data_axis="data", axis_name=AXIS
@@ -205,7 +264,6 @@ def check_refusals() -> str:
     cases = {
         "is an axis of the mesh": lambda: clash(params, sharded),
         r"aux_reduction \['last'\] is not supported": lambda: last(params, sharded),
-        "sharded .* over the data axes": lambda: named(fsdp, sharded),
         "inside the caller's own shard_map": lambda: inside(params, sharded),
     }
     for wanted, call in cases.items():
@@ -223,6 +281,7 @@ CHECKS = {
     "axis_name_explicit_n2": lambda: check_under_jit("explicit", 2),
     "axis_name_shard_auto_n2": lambda: check_shard("auto", 2),
     "axis_name_shard_explicit_n1": lambda: check_shard("explicit", 1),
+    "axis_name_shard_fsdp_n2": lambda: check_fsdp(2),
     "axis_name_shard_refusals": check_refusals,
     "axis_name_shard_no_collective": check_no_collective,
 }

@@ -17,6 +17,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -400,6 +401,11 @@ def test_bad_axis_options_are_refused_when_built():
         jaxaccum.pipeline_value_and_grad(clip_loss, clip_loss, 2, axis_name=AXIS)
     with pytest.raises(TypeError, match="does not take axis_name: the loss already"):
         jaxaccum.cached_value_and_grad(clip_loss, clip_loss, 2, axis_name=AXIS)
+    # A window spread over calls cannot meet over an axis (typed None there).
+    with pytest.raises(TypeError, match="MultiSteps takes no axis_name .* calls"):
+        jaxaccum.MultiSteps(optax.sgd(0.1), 2, axis_name=AXIS)  # type: ignore
+    with pytest.raises(TypeError, match="accumulate takes no axis_name .* calls"):
+        jaxaccum.accumulate(optax.sgd(0.1), 2, axis_name=AXIS)  # type: ignore
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 4])

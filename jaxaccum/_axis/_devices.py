@@ -1,36 +1,53 @@
 """The window over a named axis on each device (``shard_value_and_grad``,
 run under a ``shard_map`` without varying-axis types: each device's gradient
-is its own, summed over the devices once, after the window): what it does
-not take there, refused by name."""
+is its own, reduced over the devices once, after the window): its axis name,
+and its parameters sharded over the data axes (FSDP), gathered once before
+the window and their gradients reduce-scattered once after it."""
 
 from typing import Any
 
 import jax
 
+from jaxaccum._window._fsdp import ShardPlan, shard_plan
 from jaxaccum._window._spec import WindowSpec
-from jaxaccum._window._split import spec_names
 
 
 def check_per_device(spec: WindowSpec) -> None:
-    """Per device, an axis name the mesh does not bind and parameters
-    replicated over the data axes (nothing to check without data axes).
+    """Per device, an axis name the mesh does not bind (nothing to check
+    without data axes).
 
     Raises:
-      ValueError: naming the axis and the mesh's axes, or the parameter's
-        position and its sharding.
+      ValueError: naming the axis and the mesh's axes.
     """
-    if not spec.data_axes:
-        return
-    check_axis_name_is_free(spec.axis_name)
-    for index, param_spec in enumerate(spec.sharding.param_specs):
-        if any(set(spec_names(entry)) & set(spec.data_axes) for entry in param_spec):
+    if spec.data_axes:
+        check_axis_name_is_free(spec.axis_name)
+
+
+def window_shards(spec: WindowSpec) -> ShardPlan | None:
+    """Per device with parameters sharded over the data axes, the plan that
+    gathers them once before the window and reduce-scatters their gradients
+    once after it (None otherwise): the window's collectives need every
+    micro-batch's values of one parameter, so it is not gathered per
+    micro-batch.
+
+    Raises:
+      ValueError: for ``param_gather`` or ``grad_reduce`` ``"microbatch"``.
+    """
+    plan = shard_plan(spec)
+    if plan is None or all(dim is None for dim in plan.dims):
+        return None
+    sharding = spec.sharding
+    for name in ("param_gather", "grad_reduce"):
+        if getattr(sharding, name) == "microbatch":
             raise ValueError(
-                f"Differentiated leaf {index} is sharded {param_spec} over the "
-                f"data axes {spec.data_axes} (FSDP): with axis_name, "
-                "shard_value_and_grad takes parameters replicated over the data "
-                "axes for now. Replicate them (jax.sharding.reshard(leaf, P())), "
-                "or use jaxaccum.value_and_grad(axis_name=...) under jit."
+                f"{name}='microbatch' with axis_name={spec.axis_name!r}: the "
+                "window over a named axis differentiates all its micro-batches "
+                "at once, so a parameter sharded over the data axes is gathered "
+                "once before the window and its gradient reduce-scattered once "
+                f"after it. Pass {name}='auto' or 'window'."
             )
+    every = tuple(True for _ in plan.dims)
+    return plan._replace(gather_in_window=every, reduce_in_window=every)
 
 
 def check_axis_name_is_free(axis_name: Any) -> None:

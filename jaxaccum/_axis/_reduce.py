@@ -2,6 +2,7 @@
 on axis 0): the loss's total and what it is divided by, the aux output, the
 new state."""
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -46,13 +47,22 @@ class Total(NamedTuple):
         )
         return cls(total, count, loss.dtype)
 
-    def normalized(self, grads: Any, data_axes: tuple) -> tuple[jax.Array, Any]:
+    def normalized(
+        self,
+        grads: Any,
+        data_axes: tuple,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[jax.Array, Any]:
         """The value and the gradients: per device, each device's total and
-        gradient summed over ``data_axes`` once; then divided by the count
-        (zeros where a weighted window weighs nothing)."""
+        gradient summed over ``data_axes`` once (the gradients by ``reduce``
+        where given: FSDP's reduce-scatter); then divided by the count (zeros
+        where a weighted window weighs nothing)."""
         total, count = self.value, self.count
-        if data_axes:
+        if data_axes and reduce is not None:
+            total, grads = lax.psum(total, data_axes), reduce(grads)
+        elif data_axes:
             total, grads = lax.psum((total, grads), data_axes)
+        if data_axes:
             count = None if count is None else lax.psum(count, data_axes)
         if count is None:
             return total.astype(self.dtype), grads

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum._axis._collectives import Value
-from jaxaccum._axis._devices import check_per_device
+from jaxaccum._axis._devices import check_per_device, window_shards
 from jaxaccum._axis._inputs import FlatCall, batch_split, flat_call, split_keys
 from jaxaccum._axis._reduce import Total, reduced_aux, window_state
 from jaxaccum._axis._segments import Window, run
@@ -21,6 +21,7 @@ from jaxaccum._window._call_checks import (
     check_differentiable_args,
     check_state,
 )
+from jaxaccum._window._fsdp import ShardPlan
 from jaxaccum._window._micro_result import aux_pair, checked_loss, weighted_pair
 from jaxaccum._window._remat import checkpoint_policy
 from jaxaccum._window._spec import WindowSpec
@@ -37,7 +38,9 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
         check_per_device(spec)
         split = batch_split(args, spec)
         size = split.num_microbatches
-        call = flat_call(args, kwargs, spec, size, split_keys(args, spec, size))
+        shards = window_shards(spec)
+        whole = _gathered(args, spec, shards)
+        call = flat_call(whole, kwargs, spec, size, split_keys(args, spec, size))
         outs: list = []
         flat = _flat_fun(fun, call, spec, outs)
         traced = trace(flat, call.examples, spec.axis_name, size)
@@ -45,9 +48,20 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
         window = Window(spec.axis_name, size, policy, spec.unroll)
         if not any(window.is_cut(eqn) for eqn in traced.equations):
             return plain(*args, **kwargs)
-        return _value_and_grad(traced, call, window, spec, outs[0], args)
+        return _value_and_grad(traced, call, window, spec, outs[0], whole, shards)
 
     return accumulated
+
+
+def _gathered(args: tuple, spec: WindowSpec, shards: ShardPlan | None) -> tuple:
+    """The call with its parameters sharded over the data axes all-gathered
+    (``args`` itself without such parameters)."""
+    if shards is None:
+        return args
+    gathered = iter(shards.gather(tuple(args[num] for num in spec.diff_nums), True))
+    return tuple(
+        next(gathered) if num in spec.diff_nums else arg for num, arg in enumerate(args)
+    )
 
 
 def _flat_fun(fun: Fun, call: FlatCall, spec: WindowSpec, outs: list) -> Callable:
@@ -84,9 +98,12 @@ def _value_and_grad(
     spec: WindowSpec,
     treedef: Any,
     args: tuple,
+    shards: ShardPlan | None,
 ) -> PyTree:
     """The window's value and gradients (aux, new state) in ``value_and_grad``'s
-    layout: the traced ``fun`` run over the window, differentiated once."""
+    layout: the traced ``fun`` run over the window, differentiated once (the
+    gradients of parameters sharded over the data axes reduce-scattered by
+    ``shards``)."""
     diff_values = call.values[: call.num_diff]
     rest = call.values[call.num_diff :]
     size = window.size
@@ -104,7 +121,8 @@ def _value_and_grad(
     (_, (total, aux, new_state)), grads = jax.value_and_grad(
         window_total, has_aux=True
     )(diff)
-    value, grads = total.normalized(grads, spec.data_axes)
+    reduce = None if shards is None else (lambda g: shards.reduce(g, True))
+    value, grads = total.normalized(grads, spec.data_axes, reduce)
     aux = reduced_aux(aux, spec, size)
     return _package(value, aux, new_state, grads, call, spec, args)
 

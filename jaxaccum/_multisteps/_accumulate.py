@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum._multisteps._inputs import EveryKSchedule
+from jaxaccum._multisteps._inputs import EveryKSchedule, refuse_axis_name
 from jaxaccum._multisteps._multisteps import MultiSteps
 from jaxaccum._precision._loss_scale import DynamicLossScale
 
@@ -18,6 +18,7 @@ def accumulate(
     accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
     track_noise_scale: bool = False,
     loss_scale: DynamicLossScale | None = None,
+    axis_name: None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``opt`` to step once per ``every_k`` calls; functional `MultiSteps`.
 
@@ -33,6 +34,7 @@ def accumulate(
         :meth:`MultiSteps.noise_estimates`).
       loss_scale: a :class:`jaxaccum.DynamicLossScale` held per window (see
         :class:`MultiSteps`; read it from the state's ``loss_scale.scale``).
+      axis_name: not taken (a ``TypeError`` if given), as for `MultiSteps`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -51,6 +53,7 @@ def accumulate(
       >>> updates["w"]
       Array([0., 0., 0.], dtype=float32)
     """
+    refuse_axis_name(axis_name, "accumulate")
     return MultiSteps(
         opt,
         every_k,

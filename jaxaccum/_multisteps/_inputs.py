@@ -133,3 +133,20 @@ def call_skipped(
         # would poison the window just the same.
         should_skip = should_skip | ~jnp.isfinite(weight)
     return should_skip, skip_state
+
+
+def refuse_axis_name(axis_name: Any, where: str) -> None:
+    """``axis_name`` is not taken across calls (typed ``None`` so that a type
+    checker flags it too).
+
+    Raises:
+      TypeError: saying why and what to use instead.
+    """
+    if axis_name is not None:
+        raise TypeError(
+            f"{where} takes no axis_name (got {axis_name!r}): its window is "
+            "spread over calls, so a collective over it (a BatchNorm's "
+            "statistics, an all_gather) cannot meet the micro-batches of "
+            "calls not yet made. Give the whole window to one step: "
+            "jaxaccum.value_and_grad(fun, N, axis_name=...) under jit."
+        )

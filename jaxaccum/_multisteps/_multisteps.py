@@ -37,6 +37,7 @@ from jaxaccum._multisteps._inputs import (
     check_schedule,
     check_weight,
     never_skip,
+    refuse_axis_name,
     window_length,
 )
 from jaxaccum._multisteps._metadata import (
@@ -111,6 +112,8 @@ class MultiSteps:
         accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
         track_noise_scale: bool = False,
         loss_scale: DynamicLossScale | None = None,
+        *,
+        axis_name: None = None,
     ):
         """Initializer.
 
@@ -133,7 +136,10 @@ class MultiSteps:
             kept in the state; each call's loss is multiplied by
             :meth:`loss_scale`, and a window with a non-finite call is skipped
             whole (the scale backed off; grown after ``period`` finite ones).
+          axis_name: not taken (a ``TypeError`` if given): a window spread
+            over calls cannot meet over a named axis.
         """
+        refuse_axis_name(axis_name, "MultiSteps")
         self._opt = optax.with_extra_args_support(opt)
         self._every_k_schedule = check_schedule(every_k_schedule)
         self._use_grad_mean = use_grad_mean

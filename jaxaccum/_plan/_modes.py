@@ -97,7 +97,9 @@ def plan_modes(
     its memory (``compiled.memory_analysis()``, which for a sharded program
     counts each device's shards) and the bytes its collectives move per window
     (the compiled HLO). Chooses the combination that moves the fewest bytes
-    among those that fit (the fewer bytes on a tie in memory).
+    among those that fit (the fewer bytes on a tie in memory). With
+    ``axis_name``, the one combination that window takes: ``"window"`` x
+    ``"window"`` (FSDP parameters gathered once, reduce-scattered once).
 
     Args:
       fun: the loss function.
@@ -110,7 +112,7 @@ def plan_modes(
         :func:`jaxaccum.shard_value_and_grad`.
       **shard_kwargs: other keyword arguments of
         :func:`jaxaccum.shard_value_and_grad` (``reduction``,
-        ``gather_dtype``, ...).
+        ``gather_dtype``, ``axis_name``, ...).
 
     Returns:
       A :class:`ModePlan`.
@@ -134,36 +136,34 @@ def plan_modes(
     )
     budget = parse_memory_budget(memory_budget)
     rows = []
-    modes: tuple[ShardMode, ...] = ("window", "microbatch")
-    for gather in modes:
-        for reduce in modes:
-            step = shard_value_and_grad(
-                fun,
-                num_microbatches,
-                mesh=mesh,
-                data_axis=data_axis,
-                param_gather=gather,
-                grad_reduce=reduce,
-                **shard_kwargs,
+    for gather, reduce in _modes(shard_kwargs.get("axis_name")):
+        step = shard_value_and_grad(
+            fun,
+            num_microbatches,
+            mesh=mesh,
+            data_axis=data_axis,
+            param_gather=gather,
+            grad_reduce=reduce,
+            **shard_kwargs,
+        )
+        compiled = jax.jit(step).lower(*args).compile()
+        analysis = compiled.memory_analysis()
+        if analysis is None:
+            raise ValueError(
+                f"The {jax.default_backend()} backend gives no memory "
+                "analysis for compiled programs; plan_modes cannot measure."
             )
-            compiled = jax.jit(step).lower(*args).compile()
-            analysis = compiled.memory_analysis()
-            if analysis is None:
-                raise ValueError(
-                    f"The {jax.default_backend()} backend gives no memory "
-                    "analysis for compiled programs; plan_modes cannot measure."
-                )
-            total = total_bytes(analysis)
-            rows.append(
-                ModePlanRow(
-                    gather,
-                    reduce,
-                    total,
-                    analysis.temp_size_in_bytes,
-                    window_bytes(compiled, num_microbatches),
-                    total <= budget,
-                )
+        total = total_bytes(analysis)
+        rows.append(
+            ModePlanRow(
+                gather,
+                reduce,
+                total,
+                analysis.temp_size_in_bytes,
+                window_bytes(compiled, num_microbatches),
+                total <= budget,
             )
+        )
     fitting = [row for row in rows if row.fits]
     result = ModePlan("", "", num_microbatches, budget, tuple(rows))
     if not fitting:
@@ -176,3 +176,12 @@ def plan_modes(
     return dataclasses.replace(
         result, param_gather=best.param_gather, grad_reduce=best.grad_reduce
     )
+
+
+def _modes(axis_name: object) -> list[tuple[ShardMode, ShardMode]]:
+    """The combinations compiled: all four, or with ``axis_name`` the one
+    its window takes."""
+    if axis_name is not None:
+        return [("window", "window")]
+    modes: tuple[ShardMode, ...] = ("window", "microbatch")
+    return [(gather, reduce) for gather in modes for reduce in modes]
