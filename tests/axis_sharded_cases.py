@@ -11,6 +11,7 @@ loop.
 """
 
 import collections
+import functools
 import re
 
 import chex
@@ -87,10 +88,10 @@ def check_under_jit(axis_type: str, num_microbatches: int) -> str:
     return f"N={num_microbatches} on 8 devices ({axis_type}): the big batch's"
 
 
-def device_loss(params, batch):
+def device_loss(params, batch, both=("data", AXIS)):
     """The loss per device: BatchNorm and the gathered texts over the
-    devices and the window together, the positive at the member's index."""
-    both = ("data", AXIS)
+    devices and the window together (``both``), the positive at the
+    member's index."""
     hidden = (batch["x"] @ params["image"])[:, :4]
     mean = lax.pmean(jnp.mean(hidden, 0), both)
     var = lax.pmean(jnp.mean((hidden - mean) ** 2, 0), both)
@@ -219,6 +220,28 @@ def check_fsdp(num_microbatches: int) -> str:
     )
 
 
+def check_joined(num_microbatches: int) -> str:
+    """A loss written for the devices alone (every collective over "data",
+    as Flax's ImageNet ResNet hardcodes BatchNorm(axis_name='batch')) with
+    axis_name equal to the data axis: the window joins it, so the
+    collectives meet across devices and micro-batches, the big batch's,
+    with the model unedited and nothing collective in a loop."""
+    params, batch = problem()
+    want = jax.value_and_grad(big_batch)(params, batch)
+    mesh = jax.make_mesh((8,), ("data",))
+    written_for_devices = functools.partial(device_loss, both="data")
+    step = jax.jit(
+        jaxaccum.shard_value_and_grad(
+            written_for_devices, num_microbatches, mesh=mesh, axis_name="data"
+        )
+    )
+    sharded = jaxaccum.shard_batch(batch, mesh)
+    chex.assert_trees_all_close(step(params, sharded), want, rtol=RTOL, atol=ATOL)
+    collectives = find_collectives(step.lower(params, sharded).compile())
+    assert not [c for c in collectives if c.in_loop], collectives
+    return f"axis_name='data', N={num_microbatches}: joined, the big batch's"
+
+
 def check_no_collective() -> str:
     """A loss with no collective over the window: the plain window per
     device (run in the shard_map without varying-axis types), the big
@@ -239,12 +262,15 @@ def check_no_collective() -> str:
 
 
 def check_refusals() -> str:
-    """axis_name equal to the data axis, a per-micro-batch aux, and a call
-    inside the caller's own shard_map: each a jaxaccum error naming it."""
+    """axis_name equal to a mesh axis other than the data axis, a
+    per-micro-batch aux, and a call inside the caller's own shard_map: each
+    a jaxaccum error naming it."""
     params, batch = problem()
     mesh = jax.make_mesh((8,), ("data",))
     sharded = jaxaccum.shard_batch(batch, mesh)
-    clash = jaxaccum.shard_value_and_grad(device_loss, 2, mesh=mesh, axis_name="data")
+    grid = jax.make_mesh((4, 2), ("data", "model"))
+    clash = jaxaccum.shard_value_and_grad(device_loss, 2, mesh=grid, axis_name="model")
+    on_grid = jaxaccum.shard_batch(batch, grid)
     inside = jax.shard_map(
         lambda p, b: jaxaccum.shard_value_and_grad(
             device_loss, 2, data_axis="data", axis_name=AXIS
@@ -262,7 +288,7 @@ def check_refusals() -> str:
         aux_reduction="last",
     )
     cases = {
-        "is an axis of the mesh": lambda: clash(params, sharded),
+        "is an axis of the mesh.* but not a data axis": lambda: clash(params, on_grid),
         r"aux_reduction \['last'\] is not supported": lambda: last(params, sharded),
         "inside the caller's own shard_map": lambda: inside(params, sharded),
     }
@@ -282,6 +308,7 @@ CHECKS = {
     "axis_name_shard_auto_n2": lambda: check_shard("auto", 2),
     "axis_name_shard_explicit_n1": lambda: check_shard("explicit", 1),
     "axis_name_shard_fsdp_n2": lambda: check_fsdp(2),
+    "axis_name_shard_joined_n2": lambda: check_joined(2),
     "axis_name_shard_refusals": check_refusals,
     "axis_name_shard_no_collective": check_no_collective,
 }

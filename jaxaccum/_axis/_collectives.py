@@ -9,7 +9,10 @@ values themselves in micro-batch order, and ``axis_index`` the micro-batch's
 index (JAX writes an index over several axes as one per axis); positions a
 ``vmap`` inside ``fun`` added to the axes reduce as ``jax.vmap`` reduces
 them, and other names (a device axis under ``shard_map``) reduce after the
-window, by their own collective.
+window, by their own collective. A window that joins a device axis (its name
+is the data axis's, ``joined``) is that axis's ``D x N`` members: each
+collective over it reduces across the micro-batches, then across the devices,
+and member ``(d, k)`` is index ``d N + k``.
 """
 
 from collections.abc import Callable
@@ -46,11 +49,14 @@ class Value(NamedTuple):
         return jnp.broadcast_to(array, (size, *array.shape))
 
 
-def _split_axes(axes: Any, axis_name: Any) -> tuple[tuple, tuple]:
-    """A collective's positions, and its names other than the window's."""
+def _split_axes(axes: Any, axis_name: Any, joined: bool) -> tuple[tuple, tuple]:
+    """A collective's positions, and the names it reduces over across devices
+    (the window's too where it joins a device axis)."""
     axes = axes if isinstance(axes, tuple | list) else (axes,)
     positions = tuple(a for a in axes if isinstance(a, int))
-    others = tuple(a for a in axes if not isinstance(a, int) and a != axis_name)
+    others = tuple(
+        a for a in axes if not isinstance(a, int) and (a != axis_name or joined)
+    )
     return positions, others
 
 
@@ -62,11 +68,16 @@ _REDUCERS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 
 
 def reduce_over_window(
-    name: str, operands: list[Value], params: dict, axis_name: Any, size: int
+    name: str,
+    operands: list[Value],
+    params: dict,
+    axis_name: Any,
+    size: int,
+    joined: bool = False,
 ) -> list[Value]:
     """``psum``, ``pmax`` or ``pmin`` over axes that include the window's."""
     reduce, collective = _REDUCERS[name]
-    positions, others = _split_axes(params["axes"], axis_name)
+    positions, others = _split_axes(params["axes"], axis_name, joined)
     results = []
     for operand in operands:
         if operand.stacked:
@@ -84,7 +95,7 @@ def reduce_over_window(
 
 
 def gather_over_window(
-    operand: Value, params: dict, axis_name: Any, size: int
+    operand: Value, params: dict, axis_name: Any, size: int, joined: bool = False
 ) -> Value:
     """``all_gather`` over the window (and device axes with it, the window's
     first or last): every member's value, in the members' order (the first
@@ -92,17 +103,21 @@ def gather_over_window(
     it)."""
     names = params["axis_name"]
     names = tuple(names) if isinstance(names, tuple | list) else (names,)
-    others = tuple(name for name in names if name != axis_name)
-    if others and names not in ((axis_name, *others), (*others, axis_name)):
-        raise TypeError(
-            f"all_gather over {names} puts the window's axis {axis_name!r} "
-            "between two others: put it first or last."
-        )
+    if joined:  # the devices outside, the micro-batches inside, as below
+        _window_only("all_gather", params, axis_name, "gather the joined axis alone")
+        others: tuple = (axis_name,)
+    else:
+        others = tuple(name for name in names if name != axis_name)
+        if others and names not in ((axis_name, *others), (*others, axis_name)):
+            raise TypeError(
+                f"all_gather over {names} puts the window's axis {axis_name!r} "
+                "between two others: put it first or last."
+            )
     dimension = params["all_gather_dimension"]
     gathered = jnp.moveaxis(_replicated(operand.leading(size)), 0, dimension)
     if others:  # (.., D, N, ..): the devices outside, the micro-batches inside
         gathered = lax.all_gather(gathered, others, axis=dimension)
-        if names[0] == axis_name:
+        if names[0] == axis_name and not joined:
             gathered = jnp.swapaxes(gathered, dimension, dimension + 1)
         gathered = _merge(gathered, dimension)
     if params["tiled"]:
@@ -141,18 +156,30 @@ def _replicated(array: Any) -> Any:
     return jax.sharding.reshard(array, PartitionSpec())
 
 
-def index_over_window(params: dict, axis_name: Any, size: int) -> Value:
-    """``axis_index`` of the window: micro-batch ``k``'s is ``k``."""
+def index_over_window(
+    params: dict, axis_name: Any, size: int, joined: bool = False
+) -> Value:
+    """``axis_index`` of the window: micro-batch ``k``'s is ``k`` (``d N + k``
+    on device ``d`` of a joined axis)."""
     _window_only("axis_index", params, axis_name, "take each axis's index on its own")
-    return Value(jnp.arange(size, dtype=jnp.int32), stacked=True)
+    index = jnp.arange(size, dtype=jnp.int32)
+    if joined:
+        index = index + lax.axis_index(axis_name).astype(jnp.int32) * size
+    return Value(index, stacked=True)
 
 
 def over_window(
-    name: str, operands: list[Value], params: dict, axis_name: Any, size: int
+    name: str,
+    operands: list[Value],
+    params: dict,
+    axis_name: Any,
+    size: int,
+    joined: bool = False,
 ) -> list[Value]:
-    """The results of the collective ``name`` over the window."""
+    """The results of the collective ``name`` over the window (``joined``:
+    the window joins the device axis of its name)."""
     if name == "all_gather":
-        return [gather_over_window(operands[0], params, axis_name, size)]
+        return [gather_over_window(operands[0], params, axis_name, size, joined)]
     if name == "axis_index":
-        return [index_over_window(params, axis_name, size)]
-    return reduce_over_window(name, operands, params, axis_name, size)
+        return [index_over_window(params, axis_name, size, joined)]
+    return reduce_over_window(name, operands, params, axis_name, size, joined)

@@ -13,14 +13,21 @@ from jaxaccum._window._spec import WindowSpec
 
 
 def check_per_device(spec: WindowSpec) -> None:
-    """Per device, an axis name the mesh does not bind (nothing to check
-    without data axes).
+    """Per device, an axis name the mesh does not bind, or one of the data
+    axes (the window joins it; nothing to check without data axes).
 
     Raises:
       ValueError: naming the axis and the mesh's axes.
     """
-    if spec.data_axes:
+    if spec.data_axes and not joins(spec):
         check_axis_name_is_free(spec.axis_name)
+
+
+def joins(spec: WindowSpec) -> bool:
+    """Whether the window joins a data axis: per device, ``axis_name`` is
+    one of them (a model that hardcodes its device axis's name, as Flax's
+    ImageNet ResNet's ``BatchNorm(axis_name='batch')``)."""
+    return spec.axis_name in spec.data_axes
 
 
 def window_shards(spec: WindowSpec) -> ShardPlan | None:
@@ -60,8 +67,8 @@ def check_axis_name_is_free(axis_name: Any) -> None:
     if axis_name in names:
         raise ValueError(
             f"axis_name={axis_name!r} is an axis of the mesh, whose axes are "
-            f"{names}: the window's axis needs a name of its own (e.g. "
-            "'window'); a collective that should meet across devices and "
-            "micro-batches names both, as BatchNorm(axis_name=('data', "
-            "'window'))."
+            f"{names}, but not a data axis: the window's axis needs a name of "
+            "its own (e.g. 'window'), or the data axis's, which it then joins; "
+            "a collective that should meet across devices and micro-batches "
+            "names both, as BatchNorm(axis_name=('data', 'window'))."
         )

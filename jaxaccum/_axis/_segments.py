@@ -29,12 +29,15 @@ class Window(NamedTuple):
       policy: ``jax.checkpoint``'s policy for each segment's body (None:
         save nothing, recompute the segment in the backward).
       unroll: ``lax.scan``'s.
+      joined: whether the window joins the device axis of its name (per
+        device, ``axis_name`` equal to a data axis).
     """
 
     axis_name: Any
     size: int
     policy: Callable | None
     unroll: int | bool
+    joined: bool = False
 
     def is_cut(self, eqn: Equation) -> bool:
         """Whether ``eqn`` is a collective over the window (a cut)."""
@@ -56,7 +59,12 @@ def run(traced: Traced, inputs: dict, window: Window) -> list[Value]:
             _flush(pending, pending_keys, index, env, last_use, traced, window)
             operands = [_read(env, key) for key in eqn.inputs]
             results = over_window(
-                eqn.name, operands, eqn.params, window.axis_name, window.size
+                eqn.name,
+                operands,
+                eqn.params,
+                window.axis_name,
+                window.size,
+                window.joined,
             )
             env.update(zip(eqn.outputs, results, strict=True))
             continue

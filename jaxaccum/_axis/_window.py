@@ -8,9 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxaccum._axis._collectives import Value
-from jaxaccum._axis._devices import check_per_device, window_shards
+from jaxaccum._axis._devices import check_per_device, joins, window_shards
 from jaxaccum._axis._inputs import FlatCall, batch_split, flat_call, split_keys
 from jaxaccum._axis._reduce import Total, reduced_aux, window_state
 from jaxaccum._axis._segments import Window, run
@@ -43,9 +44,13 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
         call = flat_call(whole, kwargs, spec, size, split_keys(args, spec, size))
         outs: list = []
         flat = _flat_fun(fun, call, spec, outs)
-        traced = trace(flat, call.examples, spec.axis_name, size)
+        joined = joins(spec)
+        # Joined, the axis's members are the devices' micro-batches: a pmean
+        # divides by D x N.
+        members = size * lax.axis_size(spec.axis_name) if joined else size
+        traced = trace(flat, call.examples, spec.axis_name, members)
         policy = checkpoint_policy(spec.remat)
-        window = Window(spec.axis_name, size, policy, spec.unroll)
+        window = Window(spec.axis_name, size, policy, spec.unroll, joined)
         if not any(window.is_cut(eqn) for eqn in traced.equations):
             return plain(*args, **kwargs)
         return _value_and_grad(traced, call, window, spec, outs[0], whole, shards)

@@ -190,7 +190,8 @@ def shard_value_and_grad(
       loss_scale: as for :func:`jaxaccum.value_and_grad`; the window is finite
         on every device or on none.
       axis_name: as for :func:`jaxaccum.value_and_grad`; a collective over
-        ``(data_axis, axis_name)`` meets across devices and micro-batches.
+        ``(data_axis, axis_name)`` meets across devices and micro-batches, as
+        does one over ``data_axis`` where ``axis_name`` is it (joined).
 
     Returns:
       A function with ``fun``'s positional signature returning what
