@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 
@@ -38,10 +39,13 @@ def report(checks: Sequence[str], run: Callable[[str], str], num_devices: int):
     )
     results = {}
     for name in sys.argv[1:] or checks:
+        start = time.perf_counter()
         try:
             results[name] = {"ok": True, "detail": run(name)}
         except Exception:  # report every check, not just the first failure
             results[name] = {"ok": False, "detail": traceback.format_exc()}
+        # What each check costs, for finding the slow ones (not asserted).
+        results[name]["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(results))
 
 

@@ -182,16 +182,15 @@ def shard_value_and_grad(
       unroll: passed to ``jax.lax.scan``.
       remat: as for :func:`jaxaccum.value_and_grad`.
       report_stats: also return a :class:`jaxaccum.WindowStats` (local norms).
-      param_gather: ``"auto"`` (``"microbatch"``), ``"window"`` or
-        ``"microbatch"``: when FSDP parameters are all-gathered.
+      param_gather: ``"auto"``, ``"window"`` or ``"microbatch"`` (auto's):
+        when FSDP parameters are all-gathered (once with ``axis_name``).
       grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: when gradients
         are reduced (``"auto"``: every micro-batch for FSDP leaves, else once).
       gather_dtype: a dtype FSDP shards are cast to for their all-gather.
       loss_scale: as for :func:`jaxaccum.value_and_grad`; the window is finite
         on every device or on none.
-      axis_name: as for :func:`jaxaccum.value_and_grad`; a collective over
-        ``(data_axis, axis_name)`` meets across devices and micro-batches, as
-        does one over ``data_axis`` where ``axis_name`` is it (joined).
+      axis_name: as there; a collective over ``(data_axis, axis_name)``, or
+        over ``data_axis`` as ``axis_name`` (joined), spans devices and micro-batches.
 
     Returns:
       A function with ``fun``'s positional signature returning what
