@@ -419,8 +419,9 @@ _OPTIONS = frozenset(
 _NO_AXIS = ("axis_name",)
 # What the checks and plans that compare windows leave out (COMPARE_REFUSED).
 _COMPARED_OUT = (*_shard_spec.SHARD_OPTIONS, "loss_scale", *_NO_AXIS)
-# plan_modes sets the modes itself, and plans unscaled.
-_MODES_SET = ("param_gather", "grad_reduce", "loss_scale", *_NO_AXIS)
+# plan_modes sets the modes itself (the one its window takes with
+# axis_name), and plans unscaled.
+_MODES_SET = ("param_gather", "grad_reduce", "loss_scale")
 _PIPELINE_PLANNED = (*_spec.PIPELINE_REFUSED, "loss_scale", *_NO_AXIS)
 # cached_value_and_grad refuses what has no meaning for a whole-batch loss.
 _CACHED_REFUSED = (*_library.REFUSED, *_NO_AXIS)

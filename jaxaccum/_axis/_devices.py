@@ -35,14 +35,21 @@ def window_shards(spec: WindowSpec) -> ShardPlan | None:
     gathers them once before the window and reduce-scatters their gradients
     once after it (None otherwise): the window's collectives need every
     micro-batch's values of one parameter, so it is not gathered per
-    micro-batch.
+    micro-batch."""
+    plan = shard_plan(spec)
+    if plan is None or all(dim is None for dim in plan.dims):
+        return None
+    every = tuple(True for _ in plan.dims)
+    return plan._replace(gather_in_window=every, reduce_in_window=every)
+
+
+def check_modes(spec: WindowSpec) -> None:
+    """The FSDP modes a window over a named axis takes (``"auto"`` or
+    ``"window"``), checked where ``fun`` has a collective over it.
 
     Raises:
       ValueError: for ``param_gather`` or ``grad_reduce`` ``"microbatch"``.
     """
-    plan = shard_plan(spec)
-    if plan is None or all(dim is None for dim in plan.dims):
-        return None
     sharding = spec.sharding
     for name in ("param_gather", "grad_reduce"):
         if getattr(sharding, name) == "microbatch":
@@ -53,8 +60,6 @@ def window_shards(spec: WindowSpec) -> ShardPlan | None:
                 "once before the window and its gradient reduce-scattered once "
                 f"after it. Pass {name}='auto' or 'window'."
             )
-    every = tuple(True for _ in plan.dims)
-    return plan._replace(gather_in_window=every, reduce_in_window=every)
 
 
 def check_axis_name_is_free(axis_name: Any) -> None:

@@ -11,7 +11,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._axis._collectives import Value
-from jaxaccum._axis._devices import check_per_device, joins, window_shards
+from jaxaccum._axis._devices import (
+    check_modes,
+    check_per_device,
+    joins,
+    window_shards,
+)
 from jaxaccum._axis._inputs import FlatCall, batch_split, flat_call, split_keys
 from jaxaccum._axis._reduce import Total, reduced_aux, window_state
 from jaxaccum._axis._segments import Window, run
@@ -53,6 +58,8 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
         window = Window(spec.axis_name, size, policy, spec.unroll, joined)
         if not any(window.is_cut(eqn) for eqn in traced.equations):
             return plain(*args, **kwargs)
+        if shards is not None:
+            check_modes(spec)
         return _value_and_grad(traced, call, window, spec, outs[0], whole, shards)
 
     return accumulated
