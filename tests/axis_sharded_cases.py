@@ -214,6 +214,19 @@ def check_fsdp(num_microbatches: int) -> str:
         assert "param_gather='microbatch' with axis_name" in str(error), error
     else:
         raise AssertionError("param_gather='microbatch' with FSDP not refused")
+
+    # Without a collective over the axis the plain window runs, every mode
+    # honoured.
+    def plain_loss(params, batch):
+        return jnp.mean(jnp.tanh(batch["x"] @ params["image"][:, :4]) ** 2)
+
+    per_micro = jaxaccum.shard_value_and_grad(
+        plain_loss, 2, mesh=mesh, axis_name=AXIS, param_gather="microbatch"
+    )
+    want = jax.value_and_grad(plain_loss)({**params, "image": wide}, batch)
+    chex.assert_trees_all_close(
+        jax.jit(per_micro)(fsdp, sharded), want, rtol=RTOL, atol=ATOL
+    )
     return (
         f"FSDP, N={num_microbatches}: the big batch's; gathered and "
         f"scattered once, none in a loop: {dict(counts)}"
