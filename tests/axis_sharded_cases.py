@@ -255,6 +255,57 @@ def check_joined(num_microbatches: int) -> str:
     return f"axis_name='data', N={num_microbatches}: joined, the big batch's"
 
 
+def check_joined_flax() -> str:
+    """Flax's own BatchNorm written for devices named "batch" (as Flax's
+    ImageNet ResNet writes it), unedited, under shard_value_and_grad with
+    axis_name equal to the data axis: the value, the gradients and the new
+    running averages (aux, the same on every member) are the big batch's,
+    where the same module normalises over all rows with no axis."""
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        axis_name: str | None
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(4)(x)
+            x = nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x)
+            return nn.Dense(1)(jnp.tanh(x))[:, 0]
+
+    def loss_of(model):
+        def loss(params, stats, batch):
+            out, new = model.apply(
+                {"params": params, "batch_stats": stats},
+                batch["x"],
+                mutable=["batch_stats"],
+            )
+            return jnp.mean((out - batch["y"][:, 0]) ** 2), new["batch_stats"]
+
+        return loss
+
+    _, batch = problem()
+    variables = Model(None).init(jax.random.key(1), batch["x"])
+    params, stats = variables["params"], variables["batch_stats"]
+    mesh = jax.make_mesh((8,), ("batch",))
+    step = jax.jit(
+        jaxaccum.shard_value_and_grad(
+            loss_of(Model("batch")),
+            2,
+            mesh=mesh,
+            data_axis="batch",
+            axis_name="batch",
+            batch_argnums=2,
+            has_aux=True,
+        )
+    )
+    got = step(params, stats, jaxaccum.shard_batch(batch, mesh, data_axis="batch"))
+    want = jax.value_and_grad(loss_of(Model(None)), has_aux=True)(params, stats, batch)
+    chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+    return (
+        "Flax BatchNorm(axis_name='batch'), joined: value, grads, stats the big batch's"
+    )
+
+
 def check_no_collective() -> str:
     """A loss with no collective over the window: the plain window per
     device (run in the shard_map without varying-axis types), the big
@@ -322,6 +373,7 @@ CHECKS = {
     "axis_name_shard_explicit_n1": lambda: check_shard("explicit", 1),
     "axis_name_shard_fsdp_n2": lambda: check_fsdp(2),
     "axis_name_shard_joined_n2": lambda: check_joined(2),
+    "axis_name_shard_joined_flax": check_joined_flax,
     "axis_name_shard_refusals": check_refusals,
     "axis_name_shard_no_collective": check_no_collective,
 }
