@@ -7,11 +7,12 @@ batch's value and gradients (chex, RTOL and ATOL of tests/tolerances.py:
 float32, the same sums in another order), on Auto and Explicit meshes; and
 per device through shard_value_and_grad, collectives over ("data",
 "window") meeting across devices and micro-batches, nothing collective in a
-loop.
+loop; FSDP parameters gathered once; the window joining the data axis (Flax's
+own BatchNorm(axis_name='batch')); and tests/axis_sharded_property.py's
+property test over the options.
 """
 
 import collections
-import functools
 import re
 
 import chex
@@ -233,28 +234,6 @@ def check_fsdp(num_microbatches: int) -> str:
     )
 
 
-def check_joined(num_microbatches: int) -> str:
-    """A loss written for the devices alone (every collective over "data",
-    as Flax's ImageNet ResNet hardcodes BatchNorm(axis_name='batch')) with
-    axis_name equal to the data axis: the window joins it, so the
-    collectives meet across devices and micro-batches, the big batch's,
-    with the model unedited and nothing collective in a loop."""
-    params, batch = problem()
-    want = jax.value_and_grad(big_batch)(params, batch)
-    mesh = jax.make_mesh((8,), ("data",))
-    written_for_devices = functools.partial(device_loss, both="data")
-    step = jax.jit(
-        jaxaccum.shard_value_and_grad(
-            written_for_devices, num_microbatches, mesh=mesh, axis_name="data"
-        )
-    )
-    sharded = jaxaccum.shard_batch(batch, mesh)
-    chex.assert_trees_all_close(step(params, sharded), want, rtol=RTOL, atol=ATOL)
-    collectives = find_collectives(step.lower(params, sharded).compile())
-    assert not [c for c in collectives if c.in_loop], collectives
-    return f"axis_name='data', N={num_microbatches}: joined, the big batch's"
-
-
 def check_joined_flax() -> str:
     """Flax's own BatchNorm written for devices named "batch" (as Flax's
     ImageNet ResNet writes it), unedited, under shard_value_and_grad with
@@ -370,10 +349,17 @@ CHECKS = {
     "axis_name_auto_n4": lambda: check_under_jit("auto", 4),
     "axis_name_explicit_n2": lambda: check_under_jit("explicit", 2),
     "axis_name_shard_auto_n2": lambda: check_shard("auto", 2),
-    "axis_name_shard_explicit_n1": lambda: check_shard("explicit", 1),
     "axis_name_shard_fsdp_n2": lambda: check_fsdp(2),
-    "axis_name_shard_joined_n2": lambda: check_joined(2),
     "axis_name_shard_joined_flax": check_joined_flax,
+    "axis_name_shard_property": lambda: _property(),
     "axis_name_shard_refusals": check_refusals,
     "axis_name_shard_no_collective": check_no_collective,
 }
+
+
+def _property() -> str:
+    """tests/axis_sharded_property.py's property test (imported here, as it
+    imports this module's loss and problem)."""
+    from axis_sharded_property import check_property
+
+    return check_property()
