@@ -182,7 +182,8 @@ def check_fsdp(num_microbatches: int) -> str:
     value, grads = step(fsdp, sharded)
     chex.assert_trees_all_close((value, grads), want, rtol=RTOL, atol=ATOL)
     assert grads["image"].sharding.spec == P(None, "data"), grads["image"].sharding
-    collectives = find_collectives(step.lower(fsdp, sharded).compile())
+    compiled = step.lower(fsdp, sharded).compile()
+    collectives = find_collectives(compiled)
     assert not [c for c in collectives if c.in_loop], collectives
     counts = collections.Counter(c.op for c in collectives)
     # The replicated case's all-gather and reduce-scatter (the texts') plus
@@ -204,7 +205,6 @@ def check_fsdp(num_microbatches: int) -> str:
     )
     (row,) = planned.rows
     assert (row.param_gather, row.grad_reduce) == ("window", "window"), planned
-    compiled = step.lower(fsdp, sharded).compile()
     assert row.temp_bytes == compiled.memory_analysis().temp_size_in_bytes, planned
     per_micro = jaxaccum.shard_value_and_grad(
         device_loss, 2, mesh=mesh, axis_name=AXIS, param_gather="microbatch"
