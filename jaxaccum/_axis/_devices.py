@@ -36,11 +36,10 @@ def window_shards(spec: WindowSpec) -> ShardPlan | None:
     once after it (None otherwise): the window's collectives need every
     micro-batch's values of one parameter, so it is not gathered per
     micro-batch."""
-    plan = shard_plan(spec)
+    plan = shard_plan(spec.resharded(param_gather="window", grad_reduce="window"))
     if plan is None or all(dim is None for dim in plan.dims):
         return None
-    every = tuple(True for _ in plan.dims)
-    return plan._replace(gather_in_window=every, reduce_in_window=every)
+    return plan
 
 
 def check_modes(spec: WindowSpec) -> None:

@@ -58,11 +58,11 @@ class Total(NamedTuple):
         where given: FSDP's reduce-scatter); then divided by the count (zeros
         where a weighted window weighs nothing)."""
         total, count = self.value, self.count
-        if data_axes and reduce is not None:
-            total, grads = lax.psum(total, data_axes), reduce(grads)
-        elif data_axes:
-            total, grads = lax.psum((total, grads), data_axes)
         if data_axes:
+            if reduce is None:  # one all-reduce of the total and the gradients
+                total, grads = lax.psum((total, grads), data_axes)
+            else:
+                total, grads = lax.psum(total, data_axes), reduce(grads)
             count = None if count is None else lax.psum(count, data_axes)
         if count is None:
             return total.astype(self.dtype), grads
