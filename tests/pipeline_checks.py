@@ -141,7 +141,8 @@ CHECKS = [
     "memory_per_device",
     "plan_pipeline_stage4_data2",
     "transformer_loss_curve",
-    "1f1b_exact_matrix",
+    # One check a layout (the instruction-set reruns take one a mesh).
+    *(f"1f1b_exact_{case[0]}" for case in ONE_F_ONE_B),
     "1f1b_float64",
     "1f1b_nan_bubbles_skipped_and_masked",
     "1f1b_weighted_aux_keys",
@@ -151,7 +152,7 @@ CHECKS = [
     "1f1b_report_stats",
     "1f1b_memory_flat_in_M",
     "1f1b_flops",
-    "zero_bubble_exact_matrix",
+    *(f"zero_bubble_exact_{case[0]}" for case in ZERO_BUBBLE),
     "zero_bubble_float64",
     "zero_bubble_nan_bubbles_skipped_and_masked",
     "zero_bubble_weighted_aux_keys",
@@ -1081,16 +1082,12 @@ def check_plan_pipeline():
 # 1F1B: schedule="1f1b".
 
 
-def check_one_f_one_b_exact():
-    """The matrix of ONE_F_ONE_B, each as check_exact: equal to the
-    sequential model, gradients sharded as the parameters, in the loop only
-    the two collective-permutes (the activation forward, its cotangent
-    back), M + 2 (S - 1) times."""
-    errors = {}
-    for name, *_ in ONE_F_ONE_B:
-        detail = check_exact(name, schedule="1f1b")
-        errors[name] = detail.split(";")[0].removeprefix("max error ")
-    return "; ".join(f"{name}: {error}" for name, error in errors.items())
+def check_one_f_one_b_exact(name: str) -> str:
+    """A layout of ONE_F_ONE_B as check_exact: equal to the sequential model,
+    gradients sharded as the parameters, in the loop only the two
+    collective-permutes (the activation forward, its cotangent back),
+    M + 2 (S - 1) times."""
+    return check_exact(name, schedule="1f1b")
 
 
 def check_one_f_one_b_float64():
@@ -1201,6 +1198,8 @@ def _run(name):
         return check_exact(name.removeprefix("exact_"))
     if name.startswith("auto_mesh_"):
         return check_exact(name.removeprefix("auto_mesh_"), AxisType.Auto)
+    if name.startswith("1f1b_exact_"):
+        return check_one_f_one_b_exact(name.removeprefix("1f1b_exact_"))
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"))
     if name.startswith("interleaved_"):
@@ -1223,7 +1222,6 @@ def _run(name):
         "memory_per_device": check_memory,
         "plan_pipeline_stage4_data2": check_plan_pipeline,
         "transformer_loss_curve": check_transformer,
-        "1f1b_exact_matrix": check_one_f_one_b_exact,
         "1f1b_float64": check_one_f_one_b_float64,
         "1f1b_nan_bubbles_skipped_and_masked": check_one_f_one_b_nan,
         "1f1b_weighted_aux_keys": lambda: check_weighted_aux_keys("1f1b"),
