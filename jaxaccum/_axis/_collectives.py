@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxaccum._axis._trace import as_tuple
 from jaxaccum._window._split import explicit_sharding
 
 
@@ -52,7 +53,7 @@ class Value(NamedTuple):
 def _split_axes(axes: Any, axis_name: Any, joined: bool) -> tuple[tuple, tuple]:
     """A collective's positions, and the names it reduces over across devices
     (the window's too where it joins a device axis)."""
-    axes = axes if isinstance(axes, tuple | list) else (axes,)
+    axes = as_tuple(axes)
     positions = tuple(a for a in axes if isinstance(a, int))
     others = tuple(
         a for a in axes if not isinstance(a, int) and (a != axis_name or joined)
@@ -101,8 +102,7 @@ def gather_over_window(
     first or last): every member's value, in the members' order (the first
     name varies slowest), at ``all_gather_dimension`` (``tiled``: merged into
     it)."""
-    names = params["axis_name"]
-    names = tuple(names) if isinstance(names, tuple | list) else (names,)
+    names = as_tuple(params["axis_name"])
     if joined:  # the devices outside, the micro-batches inside, as below
         _window_only("all_gather", params, axis_name, "gather the joined axis alone")
         others: tuple = (axis_name,)
@@ -138,8 +138,7 @@ def _window_only(name: str, params: dict, axis_name: Any, fix: str) -> None:
     Raises:
       TypeError: for one over the window's axis and others, saying ``fix``.
     """
-    names = params["axis_name"]
-    names = tuple(names) if isinstance(names, tuple | list) else (names,)
+    names = as_tuple(params["axis_name"])
     if names != (axis_name,):
         raise TypeError(
             f"{name} over {names} mixes the window's axis {axis_name!r} with "

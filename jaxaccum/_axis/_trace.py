@@ -63,13 +63,17 @@ class Traced(NamedTuple):
     dtypes: dict
 
 
+def as_tuple(value: Any) -> tuple:
+    """A parameter that is one item or several (a tuple or a list) as a tuple."""
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
+
+
 def axis_names_of(params: dict) -> tuple:
     """The axis names (not positions) a primitive's parameters name (any
     hashable but an int, as ``jax.vmap``'s)."""
     names: list = []
     for field in ("axes", "axis_name"):
-        value = params.get(field)
-        values = value if isinstance(value, tuple | list) else (value,)
+        values = as_tuple(params.get(field))
         names.extend(v for v in values if v is not None and not isinstance(v, int))
     return tuple(names)
 
@@ -88,7 +92,7 @@ def over_window(eqn: Any, axis_name: Any) -> bool:
 def _bodies(params: dict) -> list[Jaxpr]:
     found = []
     for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
+        for item in as_tuple(value):
             if isinstance(item, ClosedJaxpr):
                 found.append(item.jaxpr)
             elif isinstance(item, Jaxpr):
