@@ -150,7 +150,7 @@ class FilterCompareKwargs(_Compared, _BatchRoles, _State):
     """The options of the Equinox checks."""
 
 
-class CompareKwargs(FilterCompareKwargs, _Argnums):
+class CompareKwargs(FilterCompareKwargs, _Argnums, _AxisName):
     """The options of :func:`jaxaccum.testing.assert_grads_match_full_batch`
     and :func:`jaxaccum.testing.diagnose`."""
 

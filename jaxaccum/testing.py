@@ -56,7 +56,8 @@ def assert_grads_match_full_batch(
 
     Computes ``jaxaccum.value_and_grad(fun, num_microbatches, **kwargs)`` and the
     same with one micro-batch (exactly ``jax.value_and_grad`` on the whole
-    batch), both under ``jax.jit``, and compares values and gradients with
+    batch; with ``axis_name``, see below), both under ``jax.jit``, and
+    compares values and gradients with
     ``chex.assert_trees_all_close``. Works for every reduction (``"weighted"``
     included) and with ``pad``, ``key_argnums`` and ``state_argnums``; with
     ``masked=True`` the window runs with every micro-batch active
@@ -64,6 +65,15 @@ def assert_grads_match_full_batch(
     compared. FP8 metadata (Flax's
     ``_overwrite_with_gradient`` collection) is compared as values: the
     window's is the max of its micro-batches', which is the full batch's.
+
+    With ``axis_name``, ``fun`` may have collectives over the window
+    (``lax.pmean`` for BatchNorm's statistics, ``lax.all_gather`` of in-batch
+    negatives, ``lax.psum`` of counts): the window is
+    ``jaxaccum.value_and_grad(fun, N, axis_name=...)`` and the reference
+    the full batch as the axis's one member,
+    ``jax.vmap(fun, axis_name=axis_name, axis_size=1)`` of the whole call
+    (a ``pmean`` over the axis is the identity, ``axis_index`` is 0), which
+    is the big batch of the [Flax guide](../guides/flax.md#batchnorm).
 
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
@@ -78,11 +88,14 @@ def assert_grads_match_full_batch(
       atol: absolute tolerance, for coordinates whose terms cancel: the bound
         above times the mean magnitude of the per-example gradients.
       **value_and_grad_kwargs: the other :func:`jaxaccum.value_and_grad`
-        arguments (``argnums``, ``batch_argnums``, ``reduction``, ...).
+        arguments (``argnums``, ``batch_argnums``, ``reduction``,
+        ``axis_name``: the window's axis, bound on both sides as above, ...).
 
     Raises:
       AssertionError: naming the worst leaf, its max absolute and relative
         error and ``N``, followed by chex's report.
+      NameError: ``fun`` has a collective over an axis no ``axis_name``
+        binds (a note says to pass it).
 
     Examples:
       >>> import jax.numpy as jnp

@@ -10,14 +10,15 @@ instruction set's code.
 Numerics. XLA's CPU backend picks its vector code from the host, so summation
 order and fused multiply-adds (and with them float32 rounding) differ between
 machines. CI runs the tests marked ``numerics`` again under the instruction
-sets other than the host's (``--xla_cpu_max_isa=AVX``, ``AVX2``; ``pytest -m
-numerics``) to show that every derived tolerance holds where XLA vectorises
-differently. A rerun checks claims, not the whole suite: ``CLAIMS`` names, for
-each kind of claim the library makes, the few tests that prove it; the wide
-matrices (the option matrix, the property tests, the command line's flags,
-the 8-device matrices but for a few of their checks) run once, in the main
-run. Each notebook's claims are kinds of this table (docs/development.md maps
-them). ``.ci/collected.py`` fails a run in which a kind selects no test.
+set just below the host's (``--xla_cpu_max_isa=AVX2`` on an AVX-512 host,
+``AVX`` on an AVX2 host; ``pytest -m numerics``) to show that every derived
+tolerance holds where XLA vectorises differently. A rerun checks claims, not
+the whole suite: ``CLAIMS`` names, for each kind of claim the library makes,
+the few tests that prove it; the wide matrices (the option matrix, the
+property tests, the command line's flags, the 8-device matrices but for a few
+of their checks) run once, in the main run. Each notebook's claims are kinds
+of this table (docs/development.md maps them). ``.ci/collected.py`` fails a
+run in which a kind selects no test.
 """
 
 import atexit
@@ -140,6 +141,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/test_axis.py::test_batch_coupled_losses_are_the_big_batchs[8-all_gather]",
         "tests/test_axis.py::test_float32_within_rounding",
         "tests/test_axis.py::test_a_recomputed_segment_draws_the_same_bits",
+        "tests/test_axis_edges.py::test_bfloat16_parameters_at_the_cuts_keep_their_dtype",
     ),
     "shard_value_and_grad: data parallel sums on 1 and 8 devices, 2 processes": (
         "tests/test_distributed.py::test_one_device_mesh_equals_value_and_grad",

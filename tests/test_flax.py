@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from tolerances import ATOL, RTOL
+from tolerances import ATOL, ATOL64, RTOL, RTOL64
 
 import jaxaccum
 import jaxaccum.flax
@@ -447,3 +447,136 @@ def test_the_checks_refuse_a_loss_scale_under_their_own_name(check):
     with pytest.raises(TypeError, match="unknown keyword") as info:
         getattr(jaxaccum.flax, check)(None, None, None, rduction="sum")
     assert "loss_scale" not in str(info.value)
+
+
+# NNX over a named axis: the micro-batches share the model's state, and each
+# draws from its own split of the RNG streams' keys (issue 72).
+
+AXIS = "window"
+
+
+class AxisDropoutNet(nnx.Module):
+    """Linear -> BatchNorm over the window's axis -> tanh -> Dropout -> Linear,
+    in float64; returns the logits and where dropout zeroed (tanh is never
+    exactly 0, so that is the dropout mask)."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0, dropout=1)
+        kw = dict(param_dtype=jnp.float64, dtype=jnp.float64)
+        self.linear1 = nnx.Linear(6, 16, rngs=rngs, **kw)
+        self.norm = nnx.BatchNorm(16, axis_name=AXIS, rngs=rngs, **kw)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.linear2 = nnx.Linear(16, 3, rngs=rngs, **kw)
+
+    def __call__(self, x):
+        hidden = self.dropout(jnp.tanh(self.norm(self.linear1(x))))
+        return self.linear2(hidden), hidden == 0
+
+
+def dropout_loss(model, batch):
+    logits, dropped = model(batch["x"])
+    return cross_entropy(logits, batch["y"]), dropped
+
+
+def axis_dropout_step(num_microbatches):
+    """The window over the axis, the N masks stacked as aux."""
+    return nnx.jit(
+        jaxaccum.flax.nnx_value_and_grad(
+            dropout_loss,
+            num_microbatches,
+            axis_name=AXIS,
+            has_aux=True,
+            aux_reduction="stack",
+        )
+    )
+
+
+def vmapped_dropout_reference(model, batch, num_microbatches):
+    """The contract: jax.vmap(loss, axis_name) over the N strided
+    micro-batches, micro-batch k's model holding jax.random.split(key, N)[k]
+    for every stream's key, its other state the window's; the mean loss, the
+    N masks, and the mean's gradients."""
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    keys, state = nnx.filter_state(state, nnx.RngKey, ...)
+    micro_keys = jax.tree.map(lambda key: jax.random.split(key, num_microbatches), keys)
+
+    def one(params, micro, micro_key):
+        return dropout_loss(
+            nnx.merge(graphdef, params, state, micro_key, copy=True), micro
+        )
+
+    def window(params):
+        losses, masks = jax.vmap(one, in_axes=(None, 0, 0), axis_name=AXIS)(
+            params, jaxaccum.split_batch(batch, num_microbatches), micro_keys
+        )
+        return jnp.mean(losses), masks
+
+    return jax.jit(jax.value_and_grad(window, has_aux=True))(params)
+
+
+def test_nnx_axis_dropout_draws_a_mask_per_microbatch():
+    """Under axis_name the model's state is one value the micro-batches
+    share; its RNG keys were too, and Dropout repeated one mask N times
+    (issue 72). Each micro-batch now draws its own."""
+    num_microbatches = 4
+    with jax.enable_x64():
+        (_, masks), _ = axis_dropout_step(num_microbatches)(
+            AxisDropoutNet(), make_batch()
+        )
+    chex.assert_shape(masks, (num_microbatches, BATCH_SIZE // num_microbatches, 16))
+    repeats = [
+        (j, k)
+        for j in range(num_microbatches)
+        for k in range(j + 1, num_microbatches)
+        if bool(jnp.all(masks[j] == masks[k]))
+    ]
+    assert not repeats, f"micro-batches {repeats} drew the same dropout mask"
+    assert 0.2 < float(jnp.mean(masks)) < 0.8, float(jnp.mean(masks))
+
+
+def test_nnx_axis_dropout_is_the_vmapped_window():
+    """The value, the masks and the gradients are jax.vmap(loss, axis_name)'s
+    over the micro-batches, micro-batch k's keys the k-th of their split
+    (float64). The backward recomputes each micro-batch's segment: a segment
+    drawing other bits than its forward would move the gradients by 1e-2 and
+    more. Not bitwise: the window sums the micro-batches' losses and
+    gradients in its own order, so they agree to float64 rounding
+    (RTOL64, ATOL64)."""
+    num_microbatches = 4
+    with jax.enable_x64():
+        model, batch = AxisDropoutNet(), make_batch()
+        want = vmapped_dropout_reference(model, batch, num_microbatches)
+        got = axis_dropout_step(num_microbatches)(model, batch)
+    (value, masks), grads = got
+    (want_value, want_masks), want_grads = want
+    chex.assert_trees_all_equal(masks, want_masks)
+    chex.assert_trees_all_close(
+        (value, grads), (want_value, want_grads), rtol=RTOL64, atol=ATOL64
+    )
+
+
+def test_nnx_axis_keeps_the_keys_and_advances_the_counts_once():
+    """The micro-batches advance the streams' counts alike: the window
+    leaves what one forward pass leaves, and the keys as they were; so the
+    next window draws new masks."""
+    num_microbatches = 4
+    with jax.enable_x64():
+        model, batch = AxisDropoutNet(), make_batch()
+        keys = jax.tree.map(jax.random.key_data, nnx.state(model, nnx.RngKey))
+        one_pass = nnx.clone(model)
+        nnx.vmap(lambda model, x: model(x), in_axes=(None, 0), axis_name=AXIS)(
+            one_pass, batch["x"][None]
+        )
+        step = axis_dropout_step(num_microbatches)
+        (_, first), _ = step(model, batch)
+        chex.assert_trees_all_equal(
+            nnx.state(model, nnx.RngCount), nnx.state(one_pass, nnx.RngCount)
+        )
+        assert int(model.dropout.rngs.count[...]) == 1
+        chex.assert_trees_all_equal(
+            jax.tree.map(jax.random.key_data, nnx.state(model, nnx.RngKey)), keys
+        )
+        (_, second), _ = step(model, batch)
+    assert int(model.dropout.rngs.count[...]) == 2
+    same = [k for k in range(num_microbatches) if bool(jnp.all(first[k] == second[k]))]
+    assert not same, f"micro-batches {same} drew the first window's mask again"

@@ -414,11 +414,12 @@ _OPTIONS = frozenset(
     | _shard_spec.Sharding.field_names()
 ) - {"num_microbatches", "sharding", "data_axes", "param_specs"}
 
-# The window as a named axis: the in-step front ends take it; the others
-# do not yet (issue 67).
+# The window as a named axis: the in-step front ends and the core's checks
+# (testing's, issue 72) take it; the others do not yet (issue 67).
 _NO_AXIS = ("axis_name",)
 # What the checks and plans that compare windows leave out (COMPARE_REFUSED).
-_COMPARED_OUT = (*_shard_spec.SHARD_OPTIONS, "loss_scale", *_NO_AXIS)
+_CHECKS_OUT = (*_shard_spec.SHARD_OPTIONS, "loss_scale")
+_COMPARED_OUT = (*_CHECKS_OUT, *_NO_AXIS)
 # plan_modes sets the modes itself (the one its window takes with
 # axis_name), and plans unscaled.
 _MODES_SET = ("param_gather", "grad_reduce", "loss_scale")
@@ -459,8 +460,8 @@ _FLAX_ROLES = ("argnums", "batch_argnums", "key_argnums", "state_argnums")
             ),
         ),
         ("plan_pipeline", (*_PIPELINE_PLANNED, "microbatch_size")),
-        ("testing.assert_grads_match_full_batch", _COMPARED_OUT),
-        ("testing.diagnose", _COMPARED_OUT),
+        ("testing.assert_grads_match_full_batch", _CHECKS_OUT),
+        ("testing.diagnose", _CHECKS_OUT),
         ("equinox.filter_assert_grads_match_full_batch", (*_COMPARED_OUT, "argnums")),
         ("equinox.filter_diagnose", (*_COMPARED_OUT, "argnums")),
         ("flax.linen_value_and_grad", (*_shard_spec.SHARD_OPTIONS, *_FLAX_ROLES)),

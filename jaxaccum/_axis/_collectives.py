@@ -81,17 +81,19 @@ def reduce_over_window(
     positions, others = _split_axes(params["axes"], axis_name, joined)
     results = []
     for operand in operands:
+        dtype = jnp.result_type(operand.array)
         if operand.stacked:
             array = reduce(operand.leading(size), axis=0)
         elif name == "psum":  # the same value on each of N micro-batches
-            array = operand.array * jnp.asarray(size, jnp.result_type(operand.array))
+            array = operand.array * jnp.asarray(size, dtype)
         else:
             array = operand.array
         if positions:
             array = reduce(array, axis=positions)
         if others:
             array = collective(array, others)
-        results.append(Value(array))
+        # A collective keeps its operand's dtype (jnp.sum widens integers).
+        results.append(Value(jnp.asarray(array).astype(dtype)))
     return results
 
 
@@ -167,6 +169,66 @@ def index_over_window(
     return Value(index, stacked=True)
 
 
+def index_groups(
+    name: str, params: dict, axis_name: Any, size: int, joined: bool
+) -> tuple | None:
+    """A collective's ``axis_index_groups`` over the window's members (None
+    without), checked: over the window's axis alone, each member in exactly
+    one group, the groups of one size (as ``pmap`` requires them).
+
+    Raises:
+      TypeError: for groups over the window and other axes.
+      ValueError: for groups that do not partition the ``size`` members.
+    """
+    groups = params.get("axis_index_groups")
+    if groups is None:
+        return None
+    names = as_tuple(params.get("axes", params.get("axis_name")))
+    if names != (axis_name,) or joined:
+        raise TypeError(
+            f"{name} over {names} with axis_index_groups: groups are computed "
+            f"over the window's axis {axis_name!r} alone (each group of "
+            "micro-batches its own reduction, as pmap does); split the "
+            "collective into one over the window and one over the other axes."
+        )
+    members = sorted(member for group in groups for member in group)
+    if members != list(range(size)) or len({len(group) for group in groups}) > 1:
+        raise ValueError(
+            f"{name} over the window's axis {axis_name!r} has "
+            f"axis_index_groups={[list(group) for group in groups]}, which do "
+            f"not split its {size} members (one per micro-batch) into groups "
+            "of one size that hold each member once. Write groups for N = "
+            f"{size} micro-batches, or drop axis_index_groups to reduce over "
+            "the whole window (the big batch's statistics)."
+        )
+    return tuple(tuple(group) for group in groups)
+
+
+def _in_groups(name: str, operand: Value, params: dict, groups: tuple) -> Value:
+    """``psum``, ``pmax``, ``pmin`` or ``all_gather`` within each group of
+    micro-batches: member ``k`` receives its group's result."""
+    size = sum(len(group) for group in groups)
+    group_of = [0] * size
+    for number, group in enumerate(groups):
+        for member in group:
+            group_of[member] = number
+    if name != "all_gather" and not operand.stacked:
+        if name == "pmax" or name == "pmin":
+            return operand
+        count = jnp.asarray(len(groups[0]), jnp.result_type(operand.array))
+        return Value(operand.array * count)
+    grouped = _replicated(operand.leading(size))[jnp.asarray(groups)]
+    if name != "all_gather":
+        reduce = _REDUCERS[name][0]
+        reduced = reduce(grouped, axis=1).astype(grouped.dtype)
+        return Value(reduced[jnp.asarray(group_of)], stacked=True)
+    dimension = params["all_gather_dimension"] + 1  # after the members' axis
+    gathered = jnp.moveaxis(grouped[jnp.asarray(group_of)], 1, dimension)
+    if params["tiled"]:
+        gathered = _merge(gathered, dimension)
+    return Value(gathered, stacked=True)
+
+
 def over_window(
     name: str,
     operands: list[Value],
@@ -177,6 +239,9 @@ def over_window(
 ) -> list[Value]:
     """The results of the collective ``name`` over the window (``joined``:
     the window joins the device axis of its name)."""
+    groups = index_groups(name, params, axis_name, size, joined)
+    if groups is not None:
+        return [_in_groups(name, operand, params, groups) for operand in operands]
     if name == "all_gather":
         return [gather_over_window(operands[0], params, axis_name, size, joined)]
     if name == "axis_index":

@@ -7,20 +7,48 @@ the window and their gradients reduce-scattered once after it."""
 from typing import Any
 
 import jax
+from jax import lax
 
 from jaxaccum._window._fsdp import ShardPlan, shard_plan
 from jaxaccum._window._spec import WindowSpec
 
 
 def check_per_device(spec: WindowSpec) -> None:
-    """Per device, an axis name the mesh does not bind, or one of the data
-    axes (the window joins it; nothing to check without data axes).
+    """An axis name that nothing around the window binds (the caller's
+    ``shard_map`` or ``vmap``) and, per device, that the mesh does not bind;
+    or, per device, one of the data axes (the window joins it).
 
     Raises:
-      ValueError: naming the axis and the mesh's axes.
+      ValueError: naming the axis and what binds it.
     """
-    if spec.data_axes and not joins(spec):
+    if joins(spec):
+        return
+    check_axis_name_is_unbound(spec.axis_name)
+    if spec.data_axes:
         check_axis_name_is_free(spec.axis_name)
+
+
+def check_axis_name_is_unbound(axis_name: Any) -> None:
+    """The window's axis does not shadow one the caller binds.
+
+    Raises:
+      ValueError: naming the axis and its size where the caller's
+        ``shard_map`` (or ``vmap``, ``pmap``) binds it.
+    """
+    try:
+        bound = lax.axis_size(axis_name)
+    except NameError:  # unbound: the window binds it
+        return
+    raise ValueError(
+        f"axis_name={axis_name!r} is already bound around the window (by your "
+        f"shard_map, vmap or pmap, with {bound} members): the window would "
+        "bind it again over its micro-batches and hide it, so a collective "
+        "over it would meet one device's micro-batches only. Give the window "
+        "an axis of its own (axis_name='window') and name both where they "
+        "should meet, as BatchNorm(axis_name=('data', 'window')); or run the "
+        "window with jaxaccum.shard_value_and_grad(..., axis_name=data axis), "
+        "which joins the devices and the micro-batches into one axis."
+    )
 
 
 def joins(spec: WindowSpec) -> bool:

@@ -18,8 +18,13 @@ from jaxaccum._window._microbatch import fold_device_index, microbatch_keys
 from jaxaccum._window._spec import WindowSpec
 
 
-def _is_array(leaf: Any) -> bool:
-    return hasattr(leaf, "dtype") or isinstance(leaf, int | float | complex)
+def _is_array(leaf: Any, role: Any) -> bool:
+    """Whether ``leaf`` is traced: an array, or a Python number that is
+    differentiated or split; the others stay Python values (``train=True``,
+    ``num_classes=10``, ``dtype=jnp.int8``), static as under ``jax.vmap``."""
+    if hasattr(leaf, "dtype") and not isinstance(leaf, type):
+        return True
+    return role is not None and isinstance(leaf, int | float | complex)
 
 
 class FlatCall(NamedTuple):
@@ -57,7 +62,7 @@ def flat_call(
     role_of = _leaf_roles([roles.get(i) for i in order], tree)
     values, examples, arrays = [], [], []
     for position, (leaf, role) in enumerate(zip(leaves, role_of, strict=True)):
-        if not _is_array(leaf):
+        if not _is_array(leaf, role):
             continue
         arrays.append(position)
         value, example = _leaf_value(jnp.asarray(leaf), role, size, spec.accum_dtype)

@@ -57,7 +57,7 @@ def run(traced: Traced, inputs: dict, window: Window) -> list[Value]:
     for index, eqn in enumerate(traced.equations):
         if window.is_cut(eqn):
             _flush(pending, pending_keys, index, env, last_use, traced, window)
-            operands = [_read(env, key) for key in eqn.inputs]
+            operands = [_typed(env, key, traced) for key in eqn.inputs]
             results = over_window(
                 eqn.name,
                 operands,
@@ -81,11 +81,19 @@ def run(traced: Traced, inputs: dict, window: Window) -> list[Value]:
         env.update(zip(eqn.outputs, map(Value, _results(eqn, args)), strict=True))
     end = len(traced.equations)
     _flush(pending, pending_keys, end, env, last_use, traced, window)
-    return [_read(env, key) for key in traced.outputs]
+    return [_typed(env, key, traced) for key in traced.outputs]
 
 
 def _read(env: dict, key: Any) -> Value:
     return Value(key.val) if isinstance(key, Literal) else env[key]
+
+
+def _typed(env: dict, key: Any, traced: Traced) -> Value:
+    """A value read at the dtype ``fun`` was traced with: where it meets a
+    collective or leaves ``fun``, a differentiated input is its own dtype,
+    not the accumulation dtype it arrives in."""
+    value = _read(env, key)
+    return value._replace(array=_cast(value.array, key, traced))
 
 
 def _cast(array: Any, key: Any, traced: Traced) -> Any:

@@ -6,7 +6,8 @@ a construct whose body cannot be cut (a while loop, a branch, a custom
 derivative) refused, naming the construct."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, NoReturn
 
 import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
@@ -15,6 +16,8 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 _INLINED = ("pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint")
 # Collectives over the window that the window computes across micro-batches.
 WINDOW_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "axis_index")
+# Primitives whose derivative rule JAX traces only when it differentiates.
+_CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 # What a user wrote, for a construct's primitive (the refusal names it).
 _CONSTRUCTS = {
     "while": "jax.lax.while_loop (or fori_loop with a traced bound)",
@@ -54,6 +57,8 @@ class Traced(NamedTuple):
       outputs: the keys (or ``Literal`` s) of the flat outputs.
       constants: the values of the traced constants, by key.
       dtypes: the dtype ``fun`` was traced with at each input, by key.
+      names_axis: whether ``fun`` names the window's axis anywhere (a
+        collective, or a layer scan holding one, even one of length 0).
     """
 
     equations: list[Equation]
@@ -61,6 +66,7 @@ class Traced(NamedTuple):
     outputs: list
     constants: dict
     dtypes: dict
+    names_axis: bool
 
 
 def as_tuple(value: Any) -> tuple:
@@ -103,7 +109,11 @@ def _bodies(params: dict) -> list[Jaxpr]:
 def trace(fun: Callable, examples: Sequence, axis_name: Any, size: int) -> Traced:
     """``fun`` of flat arguments like ``examples``, traced with ``axis_name``
     of ``size`` bound, flattened."""
-    closed = jax.make_jaxpr(fun, axis_env=[(axis_name, size)])(*examples)
+    try:
+        closed = jax.make_jaxpr(fun, axis_env=[(axis_name, size)])(*examples)
+    except (ValueError, AssertionError) as error:
+        _raise_if_typed(error, examples, axis_name)
+        raise
     constants = {("const", i): c for i, c in enumerate(closed.consts)}
     inputs = [("in", i) for i in range(len(examples))]
     equations: list[Equation] = []
@@ -114,7 +124,39 @@ def trace(fun: Callable, examples: Sequence, axis_name: Any, size: int) -> Trace
         key: jax.typeof(example).dtype
         for key, example in zip(inputs, examples, strict=True)
     }
-    return Traced(equations, inputs, outputs, constants, dtypes)
+    names_axis = any(over_window(eqn, axis_name) for eqn in closed.jaxpr.eqns)
+    return Traced(equations, inputs, outputs, constants, dtypes, names_axis)
+
+
+def _raise_if_typed(error: Exception, examples: Sequence, axis_name: Any) -> None:
+    """Inside the caller's ``shard_map`` with varying-axis types
+    (``check_vma=True``, the default), whose collectives take only the mesh's
+    axes (JAX fails on one over the window's axis, alone or with a device
+    axis): a TypeError saying which runs work, from JAX's ``error``.
+
+    Raises:
+      TypeError: where the arguments carry varying-axis types.
+    """
+    varying = set().union(*(_varying(example) for example in examples))
+    if not varying:
+        return
+    raise TypeError(
+        f"fun has a collective over the window's axis {axis_name!r} inside "
+        "your shard_map with varying-axis types (check_vma=True, the default, "
+        f"here varying over {tuple(sorted(varying))}), whose collectives take "
+        "only the mesh's axes. Run the window with "
+        f"jaxaccum.shard_value_and_grad(..., axis_name={axis_name!r}), which "
+        "runs its own shard_map and reduces over the devices once after the "
+        "window; or pass check_vma=False to your shard_map (then reduce the "
+        "gradients over the devices yourself)."
+    ) from error
+
+
+def _varying(example: Any) -> frozenset:
+    """The mesh axes ``example``'s type says it varies over (none outside a
+    ``shard_map`` with varying-axis types)."""
+    manual = getattr(jax.typeof(example), "manual_axis_type", None)
+    return frozenset() if manual is None else manual.varying
 
 
 def _flatten(
@@ -192,6 +234,8 @@ def _unrolled_scan(
     body_keys = [(scope, "const", i) for i in range(len(body.consts))]
     constants.update(zip(body_keys, body.consts, strict=True))
     steps = range(params["length"])
+    if not steps:  # the carry unchanged, each ys empty (as vmap gives them)
+        return [*carry, *_empty_ys(eqn.outvars[num_carry:], scope, out)]
     ys_by_step: dict = {}
     for step in reversed(steps) if params["reverse"] else steps:
         sliced = []
@@ -215,6 +259,19 @@ def _unrolled_scan(
         out.append(_synthetic("stack", _stack, ys, key))
         stacked.append(key)
     return [*carry, *stacked]
+
+
+def _empty_ys(outvars: Sequence, scope: tuple, out: list) -> list:
+    """Equations in ``out`` making a length-0 scan's ``ys`` (empty arrays of
+    their traced types); returns their keys."""
+    keys = []
+    for j, var in enumerate(outvars):
+        key = (scope, "y", j)
+        aval = var.aval
+        empty = partial(jax.numpy.zeros, aval.shape, aval.dtype)
+        out.append(_synthetic("empty", empty, (), key))
+        keys.append(key)
+    return keys
 
 
 def _take(step: int) -> Callable[[Any], Any]:
@@ -248,6 +305,30 @@ def raise_unsupported(name: str, axis_name: Any) -> None:
         "across its micro-batches, exactly. Write the coupling with those "
         "(an all_gather and a slice by axis_index instead of a ppermute)."
     )
+
+
+def raise_in_rule(error: NameError, traced: Traced, axis_name: Any) -> NoReturn:
+    """Re-raises JAX's unbound-axis ``error`` from differentiating the window:
+    where ``fun`` has a custom derivative and the axis is the one unbound, a
+    collective over the window in its rule (a ``custom_jvp``'s jvp, a
+    ``custom_vjp``'s backward), which JAX traces only when it differentiates,
+    so it meets no micro-batch: a TypeError naming it.
+
+    Raises:
+      TypeError: for a collective over the window in a custom rule.
+      NameError: ``error`` itself otherwise.
+    """
+    rules = [eqn.name for eqn in traced.equations if eqn.name in _CUSTOM_RULES]
+    if not rules or f"unbound axis name: {axis_name}" not in str(error):
+        raise error
+    raise TypeError(
+        f"A collective over the window's axis {axis_name!r} runs inside the "
+        f"derivative rule of {_CONSTRUCTS[rules[0]]} (its jvp or its backward "
+        "rule): JAX traces a rule only when it differentiates, one micro-batch "
+        "at a time, so no collective across micro-batches can be placed in it. "
+        "Compute the coupling in the primal function (outside the custom "
+        "derivative), or let jax.grad differentiate it."
+    ) from error
 
 
 def _binder(eqn: Any) -> Callable[..., Any]:

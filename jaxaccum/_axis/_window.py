@@ -20,7 +20,7 @@ from jaxaccum._axis._devices import (
 from jaxaccum._axis._inputs import FlatCall, batch_split, flat_call, split_keys
 from jaxaccum._axis._reduce import Total, reduced_aux, window_state
 from jaxaccum._axis._segments import Window, run
-from jaxaccum._axis._trace import Traced, trace
+from jaxaccum._axis._trace import Traced, raise_in_rule, trace
 from jaxaccum._types import Fun, PyTree
 from jaxaccum._window._call_checks import (
     check_arg_count,
@@ -56,11 +56,14 @@ def axis_window(fun: Fun, spec: WindowSpec, plain: Fun) -> Fun:
         traced = trace(flat, call.examples, spec.axis_name, members)
         policy = checkpoint_policy(spec.remat)
         window = Window(spec.axis_name, size, policy, spec.unroll, joined)
-        if not any(window.is_cut(eqn) for eqn in traced.equations):
-            return plain(*args, **kwargs)
-        if shards is not None:
-            check_modes(spec)
-        return _value_and_grad(traced, call, window, spec, outs[0], whole, shards)
+        try:  # JAX traces a custom derivative's rule only when it differentiates
+            if not traced.names_axis:
+                return plain(*args, **kwargs)
+            if shards is not None:
+                check_modes(spec)
+            return _value_and_grad(traced, call, window, spec, outs[0], whole, shards)
+        except NameError as error:
+            raise_in_rule(error, traced, spec.axis_name)
 
     return accumulated
 

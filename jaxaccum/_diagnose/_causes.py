@@ -1,6 +1,8 @@
 """The causes :func:`jaxaccum.testing.diagnose` names, each with what it
 measured and the fix."""
 
+from collections.abc import Hashable
+
 import jax
 import numpy as np
 
@@ -111,11 +113,23 @@ def batch_dependent_cause(
     found = ""
     if stats:
         found = f" The state holds BatchNorm statistics: {', '.join(stats[:3])}."
+    fix = (
+        _micro_batch_fix(num)
+        if options.axis_name is None
+        else _outside_axis_fix(num, options.axis_name)
+    )
     return Cause(
         "batch_dependent",
         "An example's gradient depends on the other examples in its batch: "
         "moving one example changed the others' input gradients by up to "
-        f"{interaction:.3g} (relative).{found} A batch-dependent layer such as "
+        f"{interaction:.3g} (relative).{found} {fix}",
+    )
+
+
+def _micro_batch_fix(num: int) -> str:
+    """The fix where the window is no axis: make it one, or decouple."""
+    return (
+        "A batch-dependent layer such as "
         "BatchNorm (or a loss that compares examples) sees micro-batches of "
         f"B/{num} examples, so its statistics are the micro-batch's. Give "
         "BatchNorm (or the loss's coupling: lax.all_gather, lax.psum) an axis "
@@ -126,7 +140,24 @@ def batch_dependent_cause(
         "a per-example encoder (a loss with in-batch negatives, a term of "
         "batch statistics such as an MoE balance term), "
         "jaxaccum.cached_value_and_grad is exact in two passes: "
-        f"{WHOLE_BATCH_GUIDE}.",
+        f"{WHOLE_BATCH_GUIDE}."
+    )
+
+
+def _outside_axis_fix(num: int, axis_name: Hashable) -> str:
+    """The fix where the window is the axis ``axis_name``: the coupling that
+    its collectives carry is the big batch's, so some other is not."""
+    return (
+        f"With axis_name={axis_name!r}, what fun couples through collectives "
+        "over that axis is the big batch's, so some coupling bypasses them: a "
+        f"statistic of the micro-batch's own B/{num} examples (jnp.mean or "
+        "jnp.var over its batch axis) used as it is or combined nonlinearly "
+        "with a collective's result (the lax.pmean of the micro-batches' "
+        "variances is not the batch's variance: take the pmean of the means "
+        "and of the squares, then combine), a BatchNorm or loss without the "
+        "axis name, or a lax.axis_index read as if the window had one member. "
+        "Write each statistic over the batch as a collective over the axis "
+        "of the micro-batch's sums or means."
     )
 
 

@@ -1,5 +1,9 @@
 """Accumulated vs full-batch results, shared by ``testing`` and ``_diagnose``."""
 
+import dataclasses
+import functools
+import operator
+
 import jax
 import numpy as np
 
@@ -8,6 +12,14 @@ from jaxaccum._types import Fun, PyTree
 from jaxaccum._value_and_grad import make_accumulated
 from jaxaccum._window import _split
 from jaxaccum._window._spec import WindowSpec
+
+# What to do when fun has a collective over an axis the check does not bind.
+UNBOUND_AXIS = (
+    "fun has a collective over a named axis (lax.pmean, lax.all_gather, a "
+    "BatchNorm's axis_name): if it is over the window, pass its name as "
+    "axis_name=, and the window is compared with the full batch as the "
+    "axis's one member."
+)
 
 
 def leaf_errors(actual: PyTree, expected: PyTree) -> list[tuple[str, float, float]]:
@@ -84,10 +96,52 @@ def value_and_grads(fun: Fun, args: tuple, options: WindowSpec) -> tuple:
     return result
 
 
+def on_whole_batch(fun: Fun, options: WindowSpec) -> Fun:
+    """``fun`` as the full batch calls it: with ``options.axis_name`` bound
+    and the call as the axis's one member (``jax.vmap`` with ``axis_size=1``),
+    so a ``pmean`` over the axis is the identity, an ``all_gather`` the
+    call's own rows and ``axis_index`` 0 (the Flax guide's big batch);
+    ``fun`` itself where the window is no axis."""
+    if options.axis_name is None:
+        return fun
+    axis_name = options.axis_name
+
+    def bound(*args: PyTree, **kwargs: PyTree) -> PyTree:
+        call = functools.partial(fun, *args, **kwargs)
+        out = jax.vmap(call, axis_name=axis_name, axis_size=1)()
+        return jax.tree.map(operator.itemgetter(0), out)
+
+    return bound
+
+
+def reference_options(options: WindowSpec) -> WindowSpec:
+    """``options``' full batch: one micro-batch and no axis, for the function
+    :func:`on_whole_batch` returns (which binds the axis itself)."""
+    return dataclasses.replace(options.full_batch, axis_name=None)
+
+
+def reference(fun: Fun, args: tuple, options: WindowSpec) -> tuple:
+    """The full batch's (value, grads) under jit: what the window with
+    ``options`` must equal."""
+    return value_and_grads(
+        on_whole_batch(fun, options), args, reference_options(options)
+    )
+
+
 def accumulated_and_reference(
     fun: Fun, args: tuple, options: WindowSpec
 ) -> tuple[tuple, tuple]:
-    """(value, grads) with ``options``' micro-batches and with one, under jit."""
-    accumulated = value_and_grads(fun, args, options)
-    reference = value_and_grads(fun, args, options.full_batch)
-    return accumulated, reference
+    """(value, grads) with ``options``' micro-batches and of the full batch
+    (:func:`reference`), under jit.
+
+    Raises:
+      NameError: ``fun``'s, with a note naming ``axis_name=`` where JAX
+        found a collective over an axis that no ``axis_name`` binds.
+    """
+    try:
+        accumulated = value_and_grads(fun, args, options)
+    except NameError as error:
+        if options.axis_name is None and "axis name" in str(error):
+            error.add_note(UNBOUND_AXIS)
+        raise
+    return accumulated, reference(fun, args, options)

@@ -55,6 +55,14 @@ def diagnose(
     more full-batch gradients) in that order, else ``"unexplained"``. How each
     is detected: [Pitfalls](../guides/pitfalls.md#how-diagnose-finds-the-cause).
 
+    With ``axis_name``, ``fun`` may have collectives over the window: the
+    window is ``jaxaccum.value_and_grad(fun, N, axis_name=...)``, and the
+    reference and the probes call ``fun`` with the axis bound and the call as
+    its one member, ``jax.vmap(fun, axis_name=axis_name, axis_size=1)``, as
+    :func:`jaxaccum.testing.assert_grads_match_full_batch` does; a
+    ``"batch_dependent"`` cause then names the coupling that bypasses the
+    axis.
+
     Args:
       fun: the loss function, as for :func:`jaxaccum.value_and_grad`.
       *args: its positional arguments, batch included.
@@ -62,10 +70,15 @@ def diagnose(
       rtol: relative tolerance of the comparison.
       atol: absolute tolerance of the comparison.
       **value_and_grad_kwargs: the other :func:`jaxaccum.value_and_grad`
-        arguments (``argnums``, ``batch_argnums``, ``reduction``, ...).
+        arguments (``argnums``, ``batch_argnums``, ``reduction``,
+        ``axis_name``: the window's axis, bound on both sides as above, ...).
 
     Returns:
       A :class:`Diagnosis`; ``print`` it for the report.
+
+    Raises:
+      NameError: ``fun`` has a collective over an axis no ``axis_name``
+        binds (a note says to pass it).
 
     Examples:
       >>> import jax, jax.numpy as jnp

@@ -49,7 +49,7 @@ def key_sensitivity(
         other_args[num] = jax.tree.map(
             lambda key: jax.random.fold_in(key, 1), args[num]
         )
-    other = _compare.value_and_grads(fun, tuple(other_args), options.full_batch)
+    other = _compare.reference(fun, tuple(other_args), options)
     return relative_change(other[1], reference[1])
 
 
@@ -63,7 +63,8 @@ def microbatch_weights(
 ) -> np.ndarray | None:
     """Weights ``a`` with ``full-batch grad = sum_k a_k g_k``, relative to their
     mean, if the micro-batch gradients ``g_k`` determine them and they explain
-    the error; else None."""
+    the error; else None. Each ``g_k`` is micro-batch ``k``'s alone (with
+    ``axis_name``, the axis's one member: its own statistics)."""
     batch_vals = tuple(args[i] for i in options.batch_nums)
     batch_size = _split.batch_size_of([("batch", batch_vals)])
     padded_size = _split.resolve_num_microbatches(
@@ -81,8 +82,9 @@ def microbatch_weights(
         def micro_fun(*call_args, **call_kwargs):
             return fun(*call_args[:-1], **call_kwargs, example_mask=call_args[-1])
 
+    alone = dataclasses.replace(_compare.reference_options(options), pad=False)
     micro_value_and_grad = jax.jit(
-        make_accumulated(micro_fun, dataclasses.replace(options.full_batch, pad=False))
+        make_accumulated(_compare.on_whole_batch(micro_fun, options), alone)
     )
     call_args = list(args) + ([None] if options.pad else [])
     columns = []
@@ -112,7 +114,8 @@ def microbatch_weights(
 
 
 def example_interaction(fun: Fun, args: tuple, options: WindowSpec) -> float | None:
-    """How much moving the last example changes the other examples' gradients."""
+    """How much moving the last example changes the other examples' gradients
+    (on the full batch, with ``axis_name`` the axis's one member)."""
     leaves, treedef = jax.tree.flatten(tuple(args[i] for i in options.batch_nums))
     floats = [
         index
@@ -122,6 +125,7 @@ def example_interaction(fun: Fun, args: tuple, options: WindowSpec) -> float | N
     batch_size = np.shape(leaves[0])[0]
     if not floats or batch_size < 2:
         return None
+    whole = _compare.on_whole_batch(fun, options)
 
     def loss(float_leaves):
         batch_leaves = list(leaves)
@@ -133,7 +137,7 @@ def example_interaction(fun: Fun, args: tuple, options: WindowSpec) -> float | N
         ):
             call_args[num_arg] = value
         extra = {"example_mask": jnp.ones(batch_size, bool)} if options.pad else {}
-        out = fun(*call_args, **extra)
+        out = whole(*call_args, **extra)
         if options.state_nums:
             out = out[0]
         if options.has_aux:

@@ -1,6 +1,9 @@
 """Flax NNX: accumulate ``nnx.value_and_grad``, the model's other Variables
-(``nnx.BatchStat``, RNG counters) carried through the micro-batches in order."""
+(``nnx.BatchStat``, RNG counters) carried through the micro-batches in order;
+over a named axis, shared by them, each micro-batch drawing from its own split
+of the RNG streams' keys."""
 
+import dataclasses
 from typing import Any
 
 from flax import nnx
@@ -14,8 +17,13 @@ from jaxaccum._window._spec import WindowSpec
 
 NNX_KEYS = (
     "an NNX model draws its randomness from its own nnx.Rngs, carried through "
-    "the micro-batches with the model's state."
+    "the micro-batches with the model's state (split per micro-batch with "
+    "axis_name)."
 )
+
+# Where the model's RNG keys go under a named axis: a key argument after the
+# batch, split per micro-batch by the core (the caller's arguments follow).
+RNG_KEYS_ARGNUM = 3
 
 
 def nnx_value_and_grad(
@@ -31,9 +39,14 @@ def nnx_value_and_grad(
     The model's ``wrt`` Variables are differentiated; every other Variable
     (``nnx.BatchStat``, RNG stream counters, ...) is carried through the
     micro-batches in order and written back into the model after the window,
-    as ``N`` sequential training-mode forward passes leave it. Works in
-    ``nnx.jit`` and, on a model merged inside the function, ``jax.jit``. What
-    cannot be carried: [Flax](../guides/flax.md#nnx).
+    as ``N`` sequential training-mode forward passes leave it. With
+    ``axis_name`` the window is ``jax.vmap`` over the micro-batches, which
+    share that state: the RNG streams' keys are split per micro-batch
+    (micro-batch ``k`` draws from ``jax.random.split(key, N)[k]``, the key
+    itself for ``N = 1``), so each draws its own masks, and the counts
+    advance as one forward pass advances them. Works in ``nnx.jit`` and, on
+    a model merged inside the function, ``jax.jit``. What cannot be carried:
+    [Flax](../guides/flax.md#nnx).
 
     Args:
       fun: the loss, ``fun(model, batch, *args, **kwargs)`` (``(loss, aux)``
@@ -89,12 +102,20 @@ def nnx_value_and_grad(
     )
     if options.pad:
         check_accepts_example_mask(fun)
+    # Over a named axis the state is one value all micro-batches read: the
+    # keys travel as a key argument instead, which the core splits.
+    split_keys = options.axis_name is not None
+    if split_keys:
+        options = dataclasses.replace(options, key_argnums=RNG_KEYS_ARGNUM)
 
     def accumulated(
         model: Params, batch: Batch, *args: PyTree, **kwargs: PyTree
     ) -> PyTree:
         check_no_graph_nodes(args)
         micro_loss, params, state = nnx_loss(fun, model, wrt)
+        if split_keys:
+            keys, state = nnx.filter_state(state, nnx.RngKey, ...)
+            micro_loss, args = keyed_loss(micro_loss), (keys, *args)
         out = make_accumulated(micro_loss, options)(
             params, state, batch, *args, **kwargs
         )
@@ -131,6 +152,28 @@ def nnx_loss(fun: Fun, model: Params, wrt: Any) -> tuple:
         return out, new_state
 
     return loss, params, state
+
+
+def keyed_loss(loss: Fun) -> Fun:
+    """``loss(params, state, batch, *args) -> (out, new_state)`` as
+    ``loss(params, state, batch, keys, *args)``, the ``nnx.RngKey`` Variables
+    ``keys`` out of ``state`` and ``new_state`` (NNX never changes a key:
+    the model keeps its own)."""
+
+    def keyed(
+        params: Params,
+        state: nnx.State,
+        batch: Batch,
+        keys: nnx.State,
+        *args: PyTree,
+        **kwargs: PyTree,
+    ) -> tuple:
+        out, new_state = loss(
+            params, nnx.merge_state(state, keys), batch, *args, **kwargs
+        )
+        return out, nnx.filter_state(new_state, nnx.RngKey, ...)[1]
+
+    return keyed
 
 
 def check_same_variables(state: nnx.State, new_state: nnx.State) -> None:
