@@ -35,6 +35,10 @@ AuxReduction = Literal["mean", "sum", "stack", "concat", "last"]
 # are reduced over them (shard_value_and_grad): once per window or per
 # micro-batch; "auto" picks per leaf (see shard_value_and_grad).
 ShardMode = Literal["auto", "window", "microbatch"]
+# Which rows each member of the window as a named axis holds: "strided"
+# (micro-batch k: rows k, k + N, ...) or "contiguous" (the k-th block of rows,
+# as data parallelism lays out devices).
+AxisLayout = Literal["strided", "contiguous"]
 ScheduleName = Literal["gpipe", "1f1b", "zero-bubble"]
 """A pipeline schedule's name: what :func:`jaxaccum.pipeline_value_and_grad`
 and :func:`jaxaccum.plan_pipeline` take as ``schedule=`` and what
@@ -49,6 +53,7 @@ REDUCTIONS: tuple[str, ...] = typing.get_args(Reduction)
 AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
 SHARD_MODES: tuple[str, ...] = typing.get_args(ShardMode)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
+AXIS_LAYOUTS: tuple[str, ...] = typing.get_args(AxisLayout)
 
 
 class _Window(TypedDict, total=False):
@@ -104,6 +109,8 @@ class _State(TypedDict, total=False):
 class _AxisName(TypedDict, total=False):
     # The window as a named axis: a hashable name, as jax.vmap's axis_name.
     axis_name: Hashable | None
+    # Which rows each of its members (micro-batches) holds.
+    axis_layout: AxisLayout
 
 
 class _ShardModes(TypedDict, total=False):

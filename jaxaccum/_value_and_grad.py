@@ -65,11 +65,11 @@ def value_and_grad(
       masked: ``N`` is a maximum: the call's ``active_microbatches`` (traced
         under ``jit``) says how many micro-batches one program computes.
       loss_scale: the call's ``loss_scale=`` (a :class:`DynamicLossScale`)
-        scales every micro-batch's loss; the gradients come back unscaled, the
-        report a :class:`LossScaleReport` ([guide](../guides/mixed-precision.md)).
-      axis_name: ``fun``'s collectives over this axis name (BatchNorm's,
-        ``all_gather``, ``psum``) meet across the micro-batches: the window is
-        ``jax.vmap(fun, axis_name=axis_name)`` over them, reduced.
+        scales every micro-batch's loss ([guide](../guides/mixed-precision.md)).
+      axis_name: ``fun``'s collectives over it meet across the micro-batches:
+        the window is ``jax.vmap(fun, axis_name=axis_name)`` over them.
+      axis_layout: micro-batch ``k``'s rows: ``"strided"`` (``k, k + N, ...``)
+        or ``"contiguous"`` (block ``k``, as data parallelism lays out devices).
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``

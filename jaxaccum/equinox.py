@@ -107,11 +107,11 @@ def filter_value_and_grad(
       masked: ``N`` is a maximum: the call's ``active_microbatches`` says how
         many micro-batches to compute; pass it as an array under ``eqx.filter_jit``.
       loss_scale: the call's ``loss_scale=`` (a :class:`jaxaccum.DynamicLossScale`)
-        scales every micro-batch's loss; the report is a
-        :class:`jaxaccum.LossScaleReport`.
+        scales every micro-batch's loss (a :class:`jaxaccum.LossScaleReport`).
       axis_name: the window as a named axis, as for
         :func:`jaxaccum.value_and_grad` (a BatchNorm under the per-example
         ``jax.vmap``: ``eqx.nn.BatchNorm(..., axis_name=("batch", axis_name))``).
+      axis_layout: as for :func:`jaxaccum.value_and_grad`.
 
     Returns:
       ``accumulated(model, *args, **kwargs)`` returning ``(value, grads)``

@@ -345,6 +345,66 @@ def check_refusals() -> str:
     return "refused: " + "; ".join(cases)
 
 
+def nt_xent(params, batch, axes=AXIS):
+    """SimCLR's NT-Xent written for data parallelism, as a public Flax SimCLR
+    writes it: each member's slice holds both views of its examples (the
+    first half and the second), every row scored against every member's
+    rows, the positive found in the same slice (``axis_index`` offset)."""
+    z = jnp.tanh(batch @ params["image"])
+    z = z / jnp.linalg.norm(z, axis=1, keepdims=True)
+    rows = z.shape[0]
+    everyone = lax.all_gather(z, axes, tiled=True)
+    mine = lax.axis_index(axes) * rows + jnp.arange(rows)
+    logits = z @ everyone.T / 0.5 - 1e9 * jax.nn.one_hot(mine, everyone.shape[0])
+    positive = mine - jnp.arange(rows) + (jnp.arange(rows) + rows // 2) % rows
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(log_probs, positive[:, None], axis=1))
+
+
+def data_parallel(loss, params, batch, members):
+    """``loss`` as data parallelism runs it on ``members`` devices, each
+    holding the next contiguous block of the batch."""
+    blocks = batch.reshape(members, batch.shape[0] // members, *batch.shape[1:])
+
+    def mean(params):
+        return jnp.mean(jax.vmap(lambda b: loss(params, b), axis_name=AXIS)(blocks))
+
+    return jax.value_and_grad(mean)(params)
+
+
+def check_contiguous_layout() -> str:
+    """axis_layout='contiguous' per device: member d N + k holds block
+    d N + k, so NT-Xent written for D x N data-parallel devices runs
+    unedited, named ("data", "window") or joined to "data"; under plain jit
+    a batch sharded over the devices is refused (its blocks would move)."""
+    params, batch = problem()
+    mesh = jax.make_mesh((8,), ("data",))
+    want = data_parallel(nt_xent, params, batch["x"], 16)
+    sharded = jaxaccum.shard_batch(batch["x"], mesh)
+    for axis_name, axes in ((AXIS, ("data", AXIS)), ("data", "data")):
+        step = jaxaccum.shard_value_and_grad(
+            lambda p, b, axes=axes: nt_xent(p, b, axes),
+            2,
+            mesh=mesh,
+            axis_name=axis_name,
+            axis_layout="contiguous",
+        )
+        chex.assert_trees_all_close(
+            jax.jit(step)(params, sharded), want, rtol=RTOL, atol=ATOL
+        )
+    plain = jaxaccum.value_and_grad(
+        nt_xent, 2, axis_name=AXIS, axis_layout="contiguous"
+    )
+    try:
+        with jax.set_mesh(mesh):
+            jax.jit(plain)(params, sharded)
+    except ValueError as error:
+        assert "sharded over 8 devices" in str(error), str(error)
+    else:
+        raise AssertionError("a sharded batch split contiguously under jit")
+    return "contiguous: D x N data-parallel members, named, joined; refused under jit"
+
+
 CHECKS = {
     "axis_name_auto_n4": lambda: check_under_jit("auto", 4),
     "axis_name_explicit_n2": lambda: check_under_jit("explicit", 2),
@@ -354,6 +414,7 @@ CHECKS = {
     "axis_name_shard_property": lambda: _property(),
     "axis_name_shard_refusals": check_refusals,
     "axis_name_shard_no_collective": check_no_collective,
+    "axis_name_contiguous_layout": check_contiguous_layout,
 }
 
 

@@ -7,9 +7,11 @@ type (Auto or Explicit), ``N`` in 1, 2, 4 per device (given as
 ``num_microbatches`` or as ``microbatch_size``), the axis joined to the data
 axis (every collective over "data", ``axis_name="data"``) or named
 ("data", "window"), a weight sharded over the data axis (FSDP, Explicit
-only), ``reduction`` ``"mean"`` or ``"sum"``, and ``has_aux`` (a row count
-summed, a float mean). Each result is the big batch's (tests/
-axis_sharded_cases.py's ``big_batch``), with chex at RTOL and ATOL
+only), ``reduction`` ``"mean"`` or ``"sum"``, ``has_aux`` (a row count
+summed, a float mean), and ``axis_layout`` (strided or contiguous: the big
+batch's loss pairs row i with text i, so it holds in either). Each result
+is the big batch's (tests/axis_sharded_cases.py's ``big_batch``), with chex
+at RTOL and ATOL
 (tests/tolerances.py: float32, the same sums in another order): a sum over
 the D x N members is D x N times the big batch's mean. In each compiled
 step nothing collective is in a loop. (The fixed cases beside it count the
@@ -44,6 +46,7 @@ class Case(NamedTuple):
     fsdp: bool
     reduction: str
     has_aux: bool
+    layout: str = "strided"
 
 
 CASES = st.builds(
@@ -55,6 +58,7 @@ CASES = st.builds(
     fsdp=st.booleans(),
     reduction=st.sampled_from(("mean", "sum")),
     has_aux=st.booleans(),
+    layout=st.sampled_from(("strided", "contiguous")),
 )
 
 
@@ -84,6 +88,7 @@ def check_case(case: Case) -> None:
         reduction=case.reduction,
         has_aux=case.has_aux,
         aux_reduction={"rows": "sum", "value": "mean"},
+        axis_layout=case.layout,
         **split,
     )
     sharded = jaxaccum.shard_batch(batch, mesh)
@@ -118,7 +123,7 @@ def check_property(examples: int = 4) -> str:
     )
     @given(CASES)
     # The corners a few derandomized draws may miss: FSDP joined and named.
-    @example(Case(True, 4, False, True, True, "sum", True))
+    @example(Case(True, 4, False, True, True, "sum", True, "contiguous"))
     @example(Case(True, 2, True, False, True, "mean", True))
     def run(case):
         seen.append(case)

@@ -462,10 +462,15 @@ def _coupled_loss(params, batch, key, *, reduction, has_aux, dropout):
     return (loss, aux) if has_aux else loss
 
 
-def _vmapped_reference(loss, params, batch, key, num, reduction, aux_reduction):
-    """The contract: jax.vmap(loss, axis_name) over the N strided
-    micro-batches, the reduction applied to their results."""
-    micro = jaxaccum.split_batch(batch, num)
+def _vmapped_reference(
+    loss, params, batch, key, num, reduction, aux_reduction, layout="strided"
+):
+    """The contract: jax.vmap(loss, axis_name) over the N micro-batches
+    (strided, or contiguous blocks), the reduction applied to their results."""
+    if layout == "strided":
+        micro = jaxaccum.split_batch(batch, num)
+    else:
+        micro = jax.tree.map(lambda x: x.reshape(num, -1, *x.shape[1:]), batch)
     keys = jax.random.split(key, num) if num > 1 else key[None]
 
     def window(params):
@@ -479,7 +484,8 @@ def _vmapped_reference(loss, params, batch, key, num, reduction, aux_reduction):
 
     (value, aux), grads = jax.value_and_grad(window, has_aux=True)(params)
     if aux is not None:
-        rows = jnp.swapaxes(aux["rows"], 0, 1).reshape(-1)
+        by_row = aux["rows"] if layout == "contiguous" else aux["rows"].T
+        rows = by_row.reshape(-1)
         norm = aux["norm"]
         aux = {
             "norm": jnp.mean(norm) if aux_reduction == "mean" else norm[-1],
@@ -500,9 +506,19 @@ def _vmapped_reference(loss, params, batch, key, num, reduction, aux_reduction):
     accum_dtype=st.sampled_from([jnp.float32, None]),
     unroll=st.sampled_from([1, 2, True]),
     remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
+    layout=st.sampled_from(["strided", "contiguous"]),
 )
 def test_property_any_options_are_the_vmapped_window(
-    num, by_size, reduction, has_aux, aux_reduction, dropout, accum_dtype, unroll, remat
+    num,
+    by_size,
+    reduction,
+    has_aux,
+    aux_reduction,
+    dropout,
+    accum_dtype,
+    unroll,
+    remat,
+    layout,
 ):
     """Over the options, the window equals jax.vmap(fun, axis_name) over
     its micro-batches with the options' reduction (float64, 1e-12)."""
@@ -530,6 +546,7 @@ def test_property_any_options_are_the_vmapped_window(
             accum_dtype=accum_dtype,
             unroll=unroll,
             remat=remat,
+            axis_layout=layout,
         )
         size = {"microbatch_size": BATCH // num} if by_size else {}
         step = jaxaccum.value_and_grad(
@@ -537,7 +554,7 @@ def test_property_any_options_are_the_vmapped_window(
         )
         got = jax.jit(step)(params, batch, key)
         want = _vmapped_reference(
-            loss, params, batch, key, num, reduction, aux_reduction
+            loss, params, batch, key, num, reduction, aux_reduction, layout
         )
         assert_close(got, want, FLOAT64_TOL, str(options))
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from axis_sharded_cases import data_parallel, nt_xent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -403,3 +404,64 @@ def test_property_the_edges_are_the_vmapped_window(
         tol = BFLOAT16_RTOL if bfloat16_scale else FLOAT64_TOL
         bound = tol * max(1.0, abs(float(want["scale"])))
         assert_close(grads["scale"].astype(jnp.float64), want["scale"], bound)
+
+
+def _two_view_problem():
+    """SimCLR's batch as data parallelism lays it out for 4 devices: each
+    block of 4 rows holds 2 examples' two views."""
+    params, batch = _problem()
+    params = {"image": params["w"]}
+    views = batch.reshape(4, 2, 2, 3)  # (device, view, example, features)
+    noisy = views.at[:, 1].add(0.1 * jnp.sin(views[:, 0]))
+    return params, noisy.reshape(BATCH, 3)
+
+
+def test_contiguous_layout_runs_data_parallel_code_unedited():
+    """The issue's SimCLR: its NT-Xent pairs rows within a device's slice.
+    With axis_layout='contiguous' the window's members are the data-parallel
+    devices' slices (float64, 1e-12); the default strided members pair the
+    wrong rows, silently far off."""
+    with jax.enable_x64():
+        params, batch = _two_view_problem()
+        want = data_parallel(nt_xent, params, batch, 4)
+        contiguous = jaxaccum.value_and_grad(
+            nt_xent, 4, axis_name=AXIS, axis_layout="contiguous"
+        )
+        assert_close(jax.jit(contiguous)(params, batch), want)
+        strided = jaxaccum.value_and_grad(nt_xent, 4, axis_name=AXIS)
+        value, _ = jax.jit(strided)(params, batch)
+        assert abs(float(value - want[0])) > 1e-2, (float(value), float(want[0]))
+        mesh = jax.make_mesh((1,), ("data",), (jax.sharding.AxisType.Explicit,))
+        per_device = jaxaccum.shard_value_and_grad(
+            nt_xent, 4, mesh=mesh, axis_name=AXIS, axis_layout="contiguous"
+        )
+        assert_close(jax.jit(per_device)(params, batch), want)
+
+
+def test_contiguous_layout_concatenates_rows_in_batch_order():
+    with jax.enable_x64():
+        params, batch = _two_view_problem()
+
+        def loss(params, batch):
+            rows = jnp.tanh(batch @ params["image"])
+            centered = rows - lax.pmean(jnp.mean(rows, 0), AXIS)
+            return jnp.mean(centered**2), centered[:, 0]
+
+        step = jaxaccum.value_and_grad(
+            loss,
+            4,
+            axis_name=AXIS,
+            axis_layout="contiguous",
+            has_aux=True,
+            aux_reduction="concat",
+        )
+        (_, rows), _ = jax.jit(step)(params, batch)
+        whole = jnp.tanh(batch @ params["image"])
+        assert_close(rows, (whole - jnp.mean(whole, 0))[:, 0])
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="axis_layout must be one of"):
+        jaxaccum.value_and_grad(nt_xent, 2, axis_name=AXIS, axis_layout="blocks")
+    with pytest.raises(ValueError, match="axis_layout='contiguous' without axis_name"):
+        jaxaccum.value_and_grad(nt_xent, 2, axis_layout="contiguous")

@@ -416,7 +416,7 @@ _OPTIONS = frozenset(
 
 # The window as a named axis: the in-step front ends and the core's checks
 # (testing's, issue 72) take it; the others do not yet (issue 67).
-_NO_AXIS = ("axis_name",)
+_NO_AXIS = ("axis_name", "axis_layout")
 # What the checks and plans that compare windows leave out (COMPARE_REFUSED).
 _CHECKS_OUT = (*_shard_spec.SHARD_OPTIONS, "loss_scale")
 _COMPARED_OUT = (*_CHECKS_OUT, *_NO_AXIS)

@@ -14,6 +14,7 @@ from jax import lax
 from jaxaccum._axis._collectives import Value
 from jaxaccum._window import _split
 from jaxaccum._window._accum_dtypes import accum_dtype_for
+from jaxaccum._window._batch_nodes import label
 from jaxaccum._window._microbatch import fold_device_index, microbatch_keys
 from jaxaccum._window._spec import WindowSpec
 
@@ -65,7 +66,7 @@ def flat_call(
         if not _is_array(leaf, role):
             continue
         arrays.append(position)
-        value, example = _leaf_value(jnp.asarray(leaf), role, size, spec.accum_dtype)
+        value, example = _leaf_value(jnp.asarray(leaf), role, size, spec)
         values.append(value)
         examples.append(example)
     num_diff = sum(1 for role in role_of if role == "diff")
@@ -92,16 +93,22 @@ def _leaf_roles(arg_roles: list, tree: tuple) -> list:
     return roles + [None] * len(jax.tree.leaves(kwargs))
 
 
-def _leaf_value(leaf: jax.Array, role: Any, size: int, accum: Any) -> tuple:
+def _leaf_value(leaf: jax.Array, role: Any, size: int, spec: WindowSpec) -> tuple:
     """One leaf's :class:`Value` and its value for micro-batch 0."""
     if role == "batch":
-        view = _split.strided_view([leaf], size)[0]
-        first = lax.index_in_dim(view, 0, axis=1, keepdims=False)
-        return Value(view, stacked=True, axis=1), first
+        # Free views: (B / N, N, ...) strided, (N, B / N, ...) contiguous.
+        axis = 1 if spec.axis_layout == "strided" else 0
+        if axis:
+            view = _split.strided_view([leaf], size)[0]
+        else:
+            view = leaf.reshape(size, leaf.shape[0] // size, *leaf.shape[1:])
+        first = lax.index_in_dim(view, 0, axis=axis, keepdims=False)
+        return Value(view, stacked=True, axis=axis), first
     if role == "key":  # split into (N, ...) already
         return Value(leaf, stacked=True), leaf[0]
     if role == "diff":
-        return Value(leaf.astype(accum_dtype_for(leaf.dtype, accum))), leaf
+        accum = accum_dtype_for(leaf.dtype, spec.accum_dtype)
+        return Value(leaf.astype(accum)), leaf
     return Value(leaf), leaf
 
 
@@ -116,11 +123,44 @@ def split_keys(args: tuple, spec: WindowSpec, size: int) -> tuple:
 
 
 def batch_split(args: tuple, spec: WindowSpec) -> _split.Split:
-    """The batch's split, checked as the core checks it (no padding)."""
+    """The batch's split, checked as the core checks it (no padding); a
+    contiguous one only where no batch leaf is sharded over devices.
+
+    Raises:
+      ValueError: for ``axis_layout="contiguous"`` and a leaf whose rows are
+        sharded over devices (each block would move to one device).
+    """
     labelled = [(f"args[{i}]", args[i]) for i in spec.batch_nums]
-    return _split.resolve_num_microbatches(
+    split = _split.resolve_num_microbatches(
         _split.batch_size_of(labelled),
         spec.num_microbatches,
         spec.microbatch_size,
         can_pad=False,
     )
+    if spec.axis_layout == "contiguous":
+        for prefix, batch in labelled:
+            _check_unsharded_rows(prefix, batch)
+    return split
+
+
+def _check_unsharded_rows(prefix: str, batch: Any) -> None:
+    """No leaf of ``batch`` has its rows sharded over several devices.
+
+    Raises:
+      ValueError: naming the leaf and its mesh axes.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        names, devices = _split.axis0_devices(leaf)
+        if devices > 1:
+            raise ValueError(
+                f"Batch leaf {label(prefix, path)} has its rows "
+                f"sharded over {devices} devices (mesh axes {names}): with "
+                "axis_layout='contiguous' micro-batch k would be the k-th "
+                "block of rows, held by some of the devices, and the window "
+                "would move rows between them. Run the window per device, "
+                "jaxaccum.shard_value_and_grad(..., axis_layout='contiguous'), "
+                "where each device's block is split into N contiguous blocks "
+                "(members in data parallelism's order, device by device), or "
+                "use axis_layout='strided', which keeps every micro-batch "
+                "spread over the devices."
+            )

@@ -10,7 +10,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._window._accum_dtypes import sum_dtype
-from jaxaccum._window._aux_plan import AuxPlan
+from jaxaccum._window._aux_plan import (
+    AuxPlan,
+    contiguous_to_batch_order,
+    strided_to_batch_order,
+)
 from jaxaccum._window._reduce import divide_by_total_weight
 from jaxaccum._window._spec import WindowSpec
 
@@ -84,7 +88,12 @@ def reduced_aux(stacked: Any, spec: WindowSpec, size: int) -> Any:
     if spec.data_axes:
         carry = lax.psum(carry, spec.data_axes)
         num_means = size * lax.axis_size(spec.data_axes)
-    return plan.finalize(carry, stacks, num_means, size * _rows(one, plan))
+    order = (
+        strided_to_batch_order
+        if spec.axis_layout == "strided"
+        else contiguous_to_batch_order
+    )
+    return plan.finalize(carry, stacks, num_means, size * _rows(one, plan), order)
 
 
 def _rows(one: Any, plan: AuxPlan) -> int:

@@ -186,11 +186,11 @@ def shard_value_and_grad(
         when FSDP parameters are all-gathered (once with ``axis_name``).
       grad_reduce: ``"auto"``, ``"window"`` or ``"microbatch"``: when gradients
         are reduced (``"auto"``: every micro-batch for FSDP leaves, else once).
-      gather_dtype: a dtype FSDP shards are cast to for their all-gather.
-      loss_scale: as for :func:`jaxaccum.value_and_grad`; the window is finite
-        on every device or on none.
+      gather_dtype: the dtype FSDP shards are all-gathered in.
+      loss_scale: as there; the window is finite on every device or on none.
       axis_name: as there; a collective over ``(data_axis, axis_name)``, or
         over ``data_axis`` as ``axis_name`` (joined), spans devices and micro-batches.
+      axis_layout: as there (``"contiguous"``: member ``d N + k``, block ``d N + k``).
 
     Returns:
       A function with ``fun``'s positional signature returning what

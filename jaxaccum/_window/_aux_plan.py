@@ -1,6 +1,7 @@
 """A window's aux output, reduced leaf by leaf as ``aux_reduction`` says:
 mean, sum, stack, concat or last."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -16,6 +17,13 @@ def strided_to_batch_order(stacked: jax.Array, batch_size: int) -> jax.Array:
     order: row ``j`` of micro-batch ``k`` is example ``j N + k``."""
     rows = jnp.swapaxes(stacked, 0, 1)
     rows = rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])
+    return rows[:batch_size]
+
+
+def contiguous_to_batch_order(stacked: jax.Array, batch_size: int) -> jax.Array:
+    """``(N, B / N, ...)`` contiguous micro-batches back to ``(B, ...)``:
+    row ``j`` of micro-batch ``k`` is example ``k B / N + j``."""
+    rows = stacked.reshape(stacked.shape[0] * stacked.shape[1], *stacked.shape[2:])
     return rows[:batch_size]
 
 
@@ -142,17 +150,23 @@ class AuxPlan:
         return new_carry, stacked
 
     def finalize(
-        self, carry: list, stacked: list, num_means: Any, batch_size: int
+        self,
+        carry: list,
+        stacked: list,
+        num_means: Any,
+        batch_size: int,
+        batch_order: Callable[[jax.Array, int], jax.Array] = strided_to_batch_order,
     ) -> Any:
         """The aux output: ``num_means`` divides means, ``batch_size`` cuts the
-        padding off concatenated leaves."""
+        padding off concatenated leaves, ``batch_order`` puts their rows back
+        in batch order (from the micro-batches' layout)."""
         carried, stacks = iter(carry), iter(stacked)
         out = []
         for leaf, reduction in zip(self.leaves, self.reductions, strict=True):
             if reduction == "stack":
                 value = next(stacks)
             elif reduction == "concat":
-                value = strided_to_batch_order(next(stacks), batch_size)
+                value = batch_order(next(stacks), batch_size)
             elif reduction == "mean":
                 value = next(carried)
                 if jnp.issubdtype(leaf.dtype, jnp.inexact):

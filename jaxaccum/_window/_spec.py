@@ -25,9 +25,11 @@ from jaxaccum._checks import (
 )
 from jaxaccum._types import (
     AUX_REDUCTIONS,
+    AXIS_LAYOUTS,
     REDUCTIONS,
     ArgNums,
     AuxReduction,
+    AxisLayout,
     PyTree,
     Reduction,
     Remat,
@@ -82,6 +84,9 @@ class WindowSpec:
         (:class:`jaxaccum._window._shard_spec.Sharding`; the default runs it whole).
       axis_name: the window as a named axis: ``fun``'s collectives over it
         meet across the micro-batches (``jaxaccum._axis``); None: no axis.
+      axis_layout: which rows each member of the axis holds: ``"strided"``
+        (micro-batch ``k``: rows ``k, k + N, ...``) or ``"contiguous"`` (the
+        ``k``-th block of ``B / N`` rows, of each device's block per device).
     """
 
     num_microbatches: int | None = None
@@ -103,6 +108,7 @@ class WindowSpec:
     loss_scale: bool = False
     sharding: Sharding = Sharding()
     axis_name: Hashable | None = None
+    axis_layout: AxisLayout = "strided"
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_size is None):
@@ -163,7 +169,18 @@ class WindowSpec:
         self._check_axis_name()
 
     def _check_axis_name(self) -> None:
+        if self.axis_layout not in AXIS_LAYOUTS:
+            raise ValueError(
+                f"axis_layout must be one of {AXIS_LAYOUTS}, got {self.axis_layout!r}."
+            )
         if self.axis_name is None:
+            if self.axis_layout != "strided":
+                raise ValueError(
+                    f"axis_layout={self.axis_layout!r} without axis_name: the "
+                    "layout says which rows each member of the window's axis "
+                    "holds, and without an axis no collective sees the layout. "
+                    "Pass axis_name too, or drop axis_layout."
+                )
             return
         try:
             hash(self.axis_name)

@@ -192,7 +192,7 @@ def spec_names(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _axis0_devices(leaf: PyTree) -> tuple[tuple[str, ...], int]:
+def axis0_devices(leaf: PyTree) -> tuple[tuple[str, ...], int]:
     """The Explicit mesh axes a leaf's axis 0 is sharded over, and their size."""
     sharding = explicit_sharding(jax.typeof(leaf))
     if sharding is None or not sharding.spec or sharding.spec[0] is None:
@@ -223,7 +223,7 @@ def check_sharded_split(
     rows = batch_size // num_microbatches
     for prefix, batch in batches:
         for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-            names, devices = _axis0_devices(leaf)
+            names, devices = axis0_devices(leaf)
             if rows % devices:
                 local = batch_size // devices
                 raise ValueError(
