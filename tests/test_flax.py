@@ -12,6 +12,8 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tolerances import ATOL, ATOL64, RTOL, RTOL64
 
 import jaxaccum
@@ -460,12 +462,12 @@ class AxisDropoutNet(nnx.Module):
     in float64; returns the logits and where dropout zeroed (tanh is never
     exactly 0, so that is the dropout mask)."""
 
-    def __init__(self):
+    def __init__(self, rate=0.5):
         rngs = nnx.Rngs(0, dropout=1)
         kw = dict(param_dtype=jnp.float64, dtype=jnp.float64)
         self.linear1 = nnx.Linear(6, 16, rngs=rngs, **kw)
         self.norm = nnx.BatchNorm(16, axis_name=AXIS, rngs=rngs, **kw)
-        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.dropout = nnx.Dropout(rate, rngs=rngs)
         self.linear2 = nnx.Linear(16, 3, rngs=rngs, **kw)
 
     def __call__(self, x):
@@ -478,7 +480,7 @@ def dropout_loss(model, batch):
     return cross_entropy(logits, batch["y"]), dropped
 
 
-def axis_dropout_step(num_microbatches):
+def axis_dropout_step(num_microbatches, **options):
     """The window over the axis, the N masks stacked as aux."""
     return nnx.jit(
         jaxaccum.flax.nnx_value_and_grad(
@@ -487,18 +489,32 @@ def axis_dropout_step(num_microbatches):
             axis_name=AXIS,
             has_aux=True,
             aux_reduction="stack",
+            **options,
         )
     )
 
 
-def vmapped_dropout_reference(model, batch, num_microbatches):
-    """The contract: jax.vmap(loss, axis_name) over the N strided
-    micro-batches, micro-batch k's model holding jax.random.split(key, N)[k]
-    for every stream's key, its other state the window's; the mean loss, the
-    N masks, and the mean's gradients."""
+def _micro_batches(batch, num_microbatches, layout):
+    if layout == "strided":
+        return jaxaccum.split_batch(batch, num_microbatches)
+    return jax.tree.map(lambda x: x.reshape(num_microbatches, -1, *x.shape[1:]), batch)
+
+
+def vmapped_dropout_reference(model, batch, num_microbatches, layout="strided"):
+    """The contract: jax.vmap(loss, axis_name) over the N micro-batches (as
+    ``axis_layout`` lays them out), micro-batch k's model holding
+    jax.random.split(key, N)[k] for every stream's key, its other state the
+    window's; the mean loss, the N masks, and the mean's gradients."""
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
     keys, state = nnx.filter_state(state, nnx.RngKey, ...)
-    micro_keys = jax.tree.map(lambda key: jax.random.split(key, num_microbatches), keys)
+    micro_keys = jax.tree.map(  # the key itself for one micro-batch, as the core
+        lambda key: (
+            jax.random.split(key, num_microbatches)
+            if num_microbatches > 1
+            else key[None]
+        ),
+        keys,
+    )
 
     def one(params, micro, micro_key):
         return dropout_loss(
@@ -507,7 +523,7 @@ def vmapped_dropout_reference(model, batch, num_microbatches):
 
     def window(params):
         losses, masks = jax.vmap(one, in_axes=(None, 0, 0), axis_name=AXIS)(
-            params, jaxaccum.split_batch(batch, num_microbatches), micro_keys
+            params, _micro_batches(batch, num_microbatches, layout), micro_keys
         )
         return jnp.mean(losses), masks
 
@@ -534,19 +550,27 @@ def test_nnx_axis_dropout_draws_a_mask_per_microbatch():
     assert 0.2 < float(jnp.mean(masks)) < 0.8, float(jnp.mean(masks))
 
 
-def test_nnx_axis_dropout_is_the_vmapped_window():
-    """The value, the masks and the gradients are jax.vmap(loss, axis_name)'s
-    over the micro-batches, micro-batch k's keys the k-th of their split
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(
+    num_microbatches=st.sampled_from([1, 2, 4]),
+    rate=st.sampled_from([0.25, 0.5]),
+    layout=st.sampled_from(["strided", "contiguous"]),
+    remat=st.booleans(),
+)
+def test_nnx_axis_dropout_is_the_vmapped_window(num_microbatches, rate, layout, remat):
+    """Over N, the dropout rate, the layout and remat (a property test), the
+    value, the masks and the gradients are jax.vmap(loss, axis_name)'s over
+    the micro-batches, micro-batch k's keys the k-th of their split
     (float64). The backward recomputes each micro-batch's segment: a segment
     drawing other bits than its forward would move the gradients by 1e-2 and
     more. Not bitwise: the window sums the micro-batches' losses and
     gradients in its own order, so they agree to float64 rounding
     (RTOL64, ATOL64)."""
-    num_microbatches = 4
     with jax.enable_x64():
-        model, batch = AxisDropoutNet(), make_batch()
-        want = vmapped_dropout_reference(model, batch, num_microbatches)
-        got = axis_dropout_step(num_microbatches)(model, batch)
+        model, batch = AxisDropoutNet(rate), make_batch()
+        want = vmapped_dropout_reference(model, batch, num_microbatches, layout)
+        step = axis_dropout_step(num_microbatches, axis_layout=layout, remat=remat)
+        got = step(model, batch)
     (value, masks), grads = got
     (want_value, want_masks), want_grads = want
     chex.assert_trees_all_equal(masks, want_masks)
