@@ -189,6 +189,9 @@ def clip_row(hidden: int, batch_size: int, num: int, rounds: int) -> dict:
             jax.tree.leaves(cached_out), jax.tree.leaves(axis_out), strict=True
         )
     )
+    loss = clip(jaxaccum.losses.softmax_contrastive)
+    full = jax.value_and_grad(lambda p, b: loss(p, encode(p, b)))
+    compiled["full"] = jax.jit(full).lower(*args).compile()
     times = interleaved_seconds(compiled, args, rounds)
     paired = [a / c for a, c in zip(times["axis"], times["cached"], strict=True)]
     row = {
@@ -197,7 +200,10 @@ def clip_row(hidden: int, batch_size: int, num: int, rounds: int) -> dict:
         "max_abs_difference": agree,
         "axis_over_cached_seconds_per_round": spread(paired),
     }
-    for name in contenders:
+    for name in ("axis", "cached"):  # against the full batch, round by round
+        over = [a / f for a, f in zip(times[name], times["full"], strict=True)]
+        row[f"{name}_over_full_seconds_per_round"] = spread(over)
+    for name in compiled:
         row[name] = {
             "seconds": spread(times[name]),
             "temp_bytes": compiled[name].memory_analysis().temp_size_in_bytes,
@@ -307,6 +313,9 @@ def cnn_rows(channels: tuple, batch_size: int, side: int, num: int, rounds: int)
         row["axis_temp_over_full"] = (
             row["axis"]["temp_bytes"] / row["full"]["temp_bytes"]
         )
+        for name in ("plain", "axis"):  # against the full batch, round by round
+            over = [a / f for a, f in zip(times[name], times["full"], strict=True)]
+            row[f"{name}_over_full_seconds_per_round"] = spread(over)
         rows.append(row)
         ratio = row["axis_over_plain"]
         print(

@@ -4,6 +4,10 @@ step, full batch against jaxaccum and its peers, best against best.
 Run: python benchmarks/gpu.py            (the full preset, on a GPU; writes
                                           benchmarks/results/gpu.json)
      python benchmarks/gpu.py --smoke    (a tiny preset on CPU, under a minute)
+     python benchmarks/gpu.py --model-classes [--smoke]
+                                         (model_classes.py's matrix: per model
+                                          class, the window against the full
+                                          batch; gpu_model_classes.json)
 
 The model is ``gpu_model.py``'s GPT-2-small-like decoder (111M parameters,
 12 layers, sequence 1024, vocabulary 32768, float32 parameters, bfloat16
@@ -72,9 +76,20 @@ def main() -> None:
         default=None,
         help="merge the jobs of result files (runs in one machine lease) into --out",
     )
+    parser.add_argument(
+        "--model-classes",
+        action="store_true",
+        help="the model-class matrix (model_classes.py) instead of the decoder",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = "smoke" if args.smoke else "full"
+    if args.model_classes:  # one process: the matrix compares its own contenders
+        from model_classes import main as model_classes
+
+        out = args.out or RESULTS / "gpu_model_classes.json"
+        model_classes(["--out", str(out), *(["--quick"] if args.smoke else [])])
+        return
     if args.worker is not None:
         from gpu_worker import run_job
 

@@ -39,6 +39,10 @@ ShardMode = Literal["auto", "window", "microbatch"]
 # (micro-batch k: rows k, k + N, ...) or "contiguous" (the k-th block of rows,
 # as data parallelism lays out devices).
 AxisLayout = Literal["strided", "contiguous"]
+# Convolutions inside the window's loops: "auto" puts them in the layout of
+# the backend's fast kernel where that was measured to pay (CPU),
+# "canonical" everywhere, "traced" leaves them as JAX traced them.
+ConvLayout = Literal["auto", "canonical", "traced"]
 ScheduleName = Literal["gpipe", "1f1b", "zero-bubble"]
 """A pipeline schedule's name: what :func:`jaxaccum.pipeline_value_and_grad`
 and :func:`jaxaccum.plan_pipeline` take as ``schedule=`` and what
@@ -54,6 +58,7 @@ AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
 SHARD_MODES: tuple[str, ...] = typing.get_args(ShardMode)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 AXIS_LAYOUTS: tuple[str, ...] = typing.get_args(AxisLayout)
+CONV_LAYOUTS: tuple[str, ...] = typing.get_args(ConvLayout)
 
 
 class _Window(TypedDict, total=False):
@@ -67,6 +72,7 @@ class _Window(TypedDict, total=False):
     unroll: int | bool
     remat: Remat
     report_stats: bool
+    conv_layout: ConvLayout
 
 
 class _Size(TypedDict, total=False):
@@ -199,6 +205,7 @@ class CachedKwargs(_Size, _HasAux, _Argnums, _BatchRoles, total=False):
 
     accum_dtype: DTypeLike | None
     unroll: int | bool
+    conv_layout: ConvLayout
     mesh: Mesh | AbstractMesh | None
     data_axis: str | Sequence[str] | None
 

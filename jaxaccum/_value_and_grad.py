@@ -19,6 +19,7 @@ from jaxaccum._window._call_checks import (
     check_differentiable_args,
     pop_active_microbatches,
 )
+from jaxaccum._window._conv_layout import window_kernels
 from jaxaccum._window._loop import run_scan, run_single
 from jaxaccum._window._microbatch import micro_value_and_grad, window_inputs
 from jaxaccum._window._packaging import package
@@ -47,18 +48,18 @@ def value_and_grad(
       argnums: positional argument(s) to differentiate; their leaves are floats.
       batch_argnums: positional argument(s) holding the batch, split on axis 0.
       key_argnums: positional argument(s) holding PRNG keys, split per micro-batch.
-      state_argnums: positional argument(s) holding state that ``fun`` returns
-        updated, ``(out, new_state)``; carried in order, not differentiated.
+      state_argnums: positional argument(s) of state ``fun`` returns updated,
+        ``(out, new_state)``; carried in order, not differentiated.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       reduction: ``fun``'s loss over its batch: ``"mean"``, ``"sum"`` or
         ``"weighted"`` (``sum(loss_sum) / sum(weight)``; 0 at weight 0).
       aux_reduction: ``"mean"``, ``"sum"``, ``"stack"``, ``"concat"`` or
         ``"last"``, or a pytree prefix of the aux output mapping leaves to them.
-      accum_dtype: a floating dtype gradients sum in (at least), or ``None``;
-        results come back in their own dtypes.
+      accum_dtype: a float dtype gradients sum in (at least), or ``None``.
       pad: pad a batch that ``N`` does not divide; ``fun`` then takes
         ``example_mask=``, and ``reduction`` is ``"weighted"`` or ``"sum"``.
       unroll: passed to ``jax.lax.scan``.
+      conv_layout: ``"auto"`` (CPU: the loop's convolutions in the fast layout).
       remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
       report_finite: also return a :class:`FiniteReport`.
       report_stats: also return a :class:`WindowStats` (the noise scale).
@@ -197,8 +198,11 @@ def make_accumulated(fun: Fun, options: WindowSpec) -> Fun:
         inputs = window_inputs(args, options, split, active)._replace(
             loss_scale=loss_scale
         )
-        run = run_single if split.num_microbatches == 1 else run_scan
-        out = run(micro, inputs, options, split)
+        if split.num_microbatches == 1:
+            out = run_single(micro, inputs, options, split)
+        else:  # the loop's convolutions rewritten after the checks above ran
+            loop = window_kernels(run_scan, options.conv_layout)
+            out = loop(micro, inputs, options, split)
         if scale is not None and options.state_nums:
             # A window the scale skips leaves the carried state as it was,
             # on every front end that writes it back (NNX in place).
@@ -209,7 +213,8 @@ def make_accumulated(fun: Fun, options: WindowSpec) -> Fun:
 
     add_call_parameters(accumulated, fun, options)
     if options.axis_name is not None:
-        return functools.wraps(fun)(axis_window(fun, options, accumulated))
+        axis = functools.wraps(fun)(axis_window(fun, options, accumulated))
+        return window_kernels(axis, options.conv_layout)
     return accumulated
 
 

@@ -93,14 +93,14 @@ def filter_value_and_grad(
       microbatch_size: examples per micro-batch.
       batch_argnums: positional argument(s) of ``fun`` holding the batch.
       key_argnums: positional argument(s) holding PRNG keys, split per micro-batch.
-      state_argnums: positional argument(s) holding state ``fun`` updates and
-        returns, such as an ``eqx.nn.State``; carried in order.
+      state_argnums: state ``fun`` updates and returns (an ``eqx.nn.State``).
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       reduction: ``"mean"``, ``"sum"`` or ``"weighted"``.
       aux_reduction: how aux leaves combine over micro-batches.
       accum_dtype: dtype float gradients accumulate in (at least).
       pad: pad a batch ``N`` does not divide; ``fun`` gets ``example_mask=``.
       unroll: passed to ``jax.lax.scan``.
+      conv_layout: as for :func:`jaxaccum.value_and_grad`.
       remat: ``True`` or a checkpoint policy: ``jax.checkpoint`` the loss.
       report_finite: also return a :class:`jaxaccum.FiniteReport`.
       report_stats: also return a :class:`jaxaccum.WindowStats` (the noise scale).

@@ -172,3 +172,46 @@ def test_the_gpu_benchmark_modules_import_no_cycle():
                 reached.add(other)
                 stack += graph[other]
         assert name not in reached, f"{name} imports itself through {reached}"
+
+
+def test_model_class_matrix_smoke_runs_every_class(tmp_path):
+    """gpu.py's model-class preset (benchmarks/model_classes.py's matrix) runs
+    end to end on CPU: every class, the window and its contenders against the
+    full batch, at N = 2."""
+    out = tmp_path / "classes.json"
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu.py"),
+            "--model-classes",
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "XLA_FLAGS": flags.strip()},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    classes = {name.rsplit("_n", 1)[0] for name in results}
+    assert classes == {
+        "mlp",
+        "resnet",
+        "resnet_micro_bn",
+        "resnet_axis_bn",
+        "mobilenet",
+        "unet",
+        "transformer",
+        "embedding_bag",
+        "recurrent",
+        "two_tower",
+    }
+    for name, result in results.items():
+        assert result["over_full"]["window"]["median"] > 0, name
+        assert result["temp_bytes"]["window"] > 0, name
+    assert {"optax_microbatching", "multisteps", "unroll", "window_traced"} <= set(
+        results["resnet_n2"]["seconds"]
+    )

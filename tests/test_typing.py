@@ -353,4 +353,7 @@ def test_every_declared_keyword_and_value_is_accepted(name):
                 # Typed AuxReduction | PyTree, which admits any value; a
                 # pipeline refuses per-micro-batch aux (tests/test_pipeline.py).
                 continue
-            _call(name, function, **{key: value})
+            # A layout is of the axis's members: it comes with axis_name (a
+            # layout alone is refused, tests/test_axis_edges.py).
+            axis = {"axis_name": "window"} if key == "axis_layout" else {}
+            _call(name, function, **{key: value}, **axis)

@@ -17,6 +17,7 @@ from jaxaccum._cached._pullback import pull_back
 from jaxaccum._cached._roles import bind_encode, bind_loss
 from jaxaccum._cached._sharded import DeviceRows, mesh_axes, per_device
 from jaxaccum._types import CachedKwargs, Fun, PyTree
+from jaxaccum._window._conv_layout import window_kernels
 
 
 def cached_value_and_grad(
@@ -57,9 +58,9 @@ def cached_value_and_grad(
       accum_dtype: a floating dtype (float32 by default) or ``None``: gradients
         sum, and narrower float outputs reach ``loss``, in at least it.
       unroll: passed to both scans' ``jax.lax.scan``.
-      mesh: run the window per device on this ``jax.sharding.Mesh`` (with
-        only ``data_axis``, the one set with ``jax.set_mesh``), parameters
-        replicated over the data axes.
+      conv_layout: as for :func:`value_and_grad` (the encoder's convolutions).
+      mesh: run the window per device on this ``jax.sharding.Mesh`` (with only
+        ``data_axis``, ``jax.set_mesh``'s), parameters replicated over it.
       data_axis: the mesh axis (or axes) the batch is sharded over on axis
         0 (``"data"`` when only ``mesh`` is given).
 
@@ -95,7 +96,10 @@ def cached_value_and_grad(
     spec = cached_spec(num_microbatches, window_options, data_axes)
 
     def window(args: tuple, window_spec: WindowSpec) -> PyTree:
-        return two_passes(encode, loss, args, window_spec)
+        def passes(*args: PyTree) -> PyTree:
+            return two_passes(encode, loss, args, window_spec)
+
+        return window_kernels(passes, window_spec.conv_layout)(*args)
 
     if data_axes:
         return per_device(window, spec, mesh)

@@ -28,6 +28,7 @@ from jaxaccum._precision._loss_scale import loss_scale_report, pop_loss_scale
 from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
 from jaxaccum._window._aux_plan import AuxPlan
 from jaxaccum._window._call_checks import check_differentiable
+from jaxaccum._window._conv_layout import window_kernels
 from jaxaccum._window._mesh import check_callable_mesh
 from jaxaccum._window._window import normalized_value
 
@@ -92,7 +93,8 @@ def make_pipeline(
         schedule = schedule_on(device_mesh, call)
         prepared = prepare(functions, call, mesh, (params, batch, key), schedule)
         run = Run(prepared, call, bubble_fill, skip_bubbles)
-        raw = jax.jit(functools.partial(schedule.differentiate, run))(
+        differentiate = functools.partial(schedule.differentiate, run)
+        raw = jax.jit(window_kernels(differentiate, call.conv_layout))(
             params, batch, key, None if scale is None else scale.loss_scale
         )
         value, aux, grads = _normalize(raw, prepared, call)
@@ -144,17 +146,17 @@ def pipeline_value_and_grad(
 
     Keyword Args:
       microbatch_size: rows per micro-batch on each data shard, instead of ``M``.
-      reduction: ``"mean"``, ``"sum"`` or ``"weighted"``, as for
-        :func:`jaxaccum.value_and_grad`.
+      reduction: ``"mean"``, ``"sum"`` or ``"weighted"`` (as ``value_and_grad``).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       aux_reduction: ``"mean"`` or ``"sum"`` over micro-batches and data shards.
       accum_dtype: dtype gradients accumulate in (at least); None: their own.
       remat: ``True`` or a checkpoint policy: the loop saves only stage inputs.
       report_stats: also return a :class:`jaxaccum.WindowStats`.
       report_finite: also return a :class:`jaxaccum.FiniteReport`.
-      loss_scale: ``True``: the step takes ``loss_scale=`` (a
-        :class:`jaxaccum.DynamicLossScale`), as :func:`jaxaccum.value_and_grad`.
+      loss_scale: ``True``: the step takes ``loss_scale=``, as
+        :func:`jaxaccum.value_and_grad`.
       unroll: passed to ``jax.lax.scan``.
+      conv_layout: as for :func:`jaxaccum.value_and_grad` (the stages' loop).
       param_gather: ``"auto"`` or ``"window"``: FSDP parameters gathered once.
       grad_reduce: ``"auto"`` or ``"window"``: gradients reduced once, after.
 

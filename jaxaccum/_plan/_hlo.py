@@ -1,4 +1,7 @@
-"""Collectives in a compiled program, inside its loops and outside."""
+"""Collectives in a compiled program, inside its loops and outside, and its
+convolutions' layouts (XLA:CPU runs a convolution fast only in its canonical
+layout, ``b01f_01io->b01f``, which it gives convolutions outside loops but not
+those inside)."""
 
 import math
 import re
@@ -321,3 +324,45 @@ def _array_bytes(dtype: str, dims: str) -> int:
         bits = int(digits.group()) if digits else 8
     count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
     return count * bits // 8
+
+
+_DIM_LABELS = re.compile(r"\sconvolution\(.*?dim_labels=([\w>\-]+)")
+_CANONICAL = re.compile(r"^b\d+f_\d+io->b\d+f$")
+
+
+class Convolution(NamedTuple):
+    """One convolution instruction of a compiled program.
+
+    Attributes:
+      dim_labels: its operands' and result's layout, as XLA writes it.
+      in_loop: whether it is in a while loop's body (runs once per iteration).
+      canonical: whether the layout is the one XLA:CPU's fast kernel takes.
+    """
+
+    dim_labels: str
+    in_loop: bool
+    canonical: bool
+
+
+def find_convolutions(compiled: Any) -> list[Convolution]:
+    """Every convolution of a compiled program (``jax.jit(f).lower(...)
+    .compile()``, or its HLO text), in the HLO's order."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    bodies = _computations(text)
+    in_loop = _loop_computations(bodies)
+    found = []
+    for name, lines in bodies.items():
+        for line in lines:
+            match = _DIM_LABELS.search(line)
+            if match is not None:
+                labels = match.group(1)
+                found.append(
+                    Convolution(labels, name in in_loop, bool(_CANONICAL.match(labels)))
+                )
+    return found
+
+
+def slow_loop_convolutions(compiled: Any) -> int:
+    """How many convolutions in a compiled program's loops are outside the
+    layout of XLA:CPU's fast kernel (what that costs elsewhere is unmeasured)."""
+    return sum(1 for c in find_convolutions(compiled) if c.in_loop and not c.canonical)

@@ -37,6 +37,7 @@ import optax
 from typing_extensions import Unpack
 
 from jaxaccum._checks import argnums_tuple, candidate_counts
+from jaxaccum._plan._hlo import slow_loop_convolutions
 from jaxaccum._plan._memory_budget import parse_memory_budget
 from jaxaccum._types import Fun, PlanKwargs, PyTree
 from jaxaccum._value_and_grad import make_accumulated
@@ -59,6 +60,8 @@ class MemoryPlanRow:
       total_bytes: the footprint, ``argument + output + temp - alias``.
       compile_seconds: wall time to lower and compile the step.
       fits: whether ``total_bytes`` is within the budget.
+      slow_loop_convolutions: on CPU, the convolutions in the window's loop
+        left in the layout XLA:CPU runs slowly (``conv_layout="traced"``).
     """
 
     num_microbatches: int
@@ -70,6 +73,7 @@ class MemoryPlanRow:
     total_bytes: int
     compile_seconds: float
     fits: bool
+    slow_loop_convolutions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +108,17 @@ class MemoryPlan:
             f"{self.num_microbatches} (micro-batch {self.microbatch_size}), "
             f"footprint {format_bytes(self.footprint_bytes)}"
         )
-        return header + "\n" + _format_rows(self.rows, self.num_microbatches)
+        table = header + "\n" + _format_rows(self.rows, self.num_microbatches)
+        rows = {row.num_microbatches: row for row in self.rows}
+        slow = rows[self.num_microbatches].slow_loop_convolutions
+        if slow:
+            table += (
+                f"\nnote: {slow} convolution(s) in the window's loop run "
+                "XLA:CPU's slow layout (conv_layout='traced'): expect the window "
+                "several times slower than the full batch; conv_layout='auto' "
+                "runs the full batch's kernels."
+            )
+        return table
 
 
 def plan(
@@ -292,7 +306,8 @@ def measure(
     if optimizer is not None:
         step, args, donate_argnums = train_step(step, args, optimizer, options.argnums)
     start = time.perf_counter()
-    analysis = _compile(step, args, donate_argnums).memory_analysis()
+    compiled = _compile(step, args, donate_argnums)
+    analysis = compiled.memory_analysis()
     seconds = time.perf_counter() - start
     if analysis is None:
         raise ValueError(
@@ -311,6 +326,9 @@ def measure(
         total_bytes=total,
         compile_seconds=seconds,
         fits=total <= budget,
+        slow_loop_convolutions=(
+            slow_loop_convolutions(compiled) if jax.default_backend() == "cpu" else 0
+        ),
     )
 
 

@@ -163,9 +163,8 @@ def shard_value_and_grad(
       num_microbatches: ``N``, micro-batches per window (each spread over all
         ``D`` devices of ``data_axis``); must split each device's rows equally.
       mesh: a ``jax.sharding.Mesh`` (an ``AbstractMesh`` only inside
-        ``jax.set_mesh`` of its mesh); by default the one set with
-        ``jax.set_mesh``. Inside the caller's ``jax.shard_map`` manual over
-        ``data_axis``: each device's rows, summed over the axis.
+        ``jax.set_mesh``); by default the one set with ``jax.set_mesh``. Inside
+        the caller's ``jax.shard_map`` over ``data_axis``: each device's rows.
       data_axis: the mesh axis (or axes) the batch is sharded over on axis 0.
       **keywords: the keyword options below.
 
@@ -181,6 +180,7 @@ def shard_value_and_grad(
       pad: as for :func:`jaxaccum.value_and_grad`, per device.
       unroll: passed to ``jax.lax.scan``.
       remat: as for :func:`jaxaccum.value_and_grad`.
+      conv_layout: as there.
       report_stats: also return a :class:`jaxaccum.WindowStats` (local norms).
       param_gather: ``"auto"``, ``"window"`` or ``"microbatch"`` (auto's):
         when FSDP parameters are all-gathered (once with ``axis_name``).

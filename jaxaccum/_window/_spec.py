@@ -26,10 +26,12 @@ from jaxaccum._checks import (
 from jaxaccum._types import (
     AUX_REDUCTIONS,
     AXIS_LAYOUTS,
+    CONV_LAYOUTS,
     REDUCTIONS,
     ArgNums,
     AuxReduction,
     AxisLayout,
+    ConvLayout,
     PyTree,
     Reduction,
     Remat,
@@ -87,6 +89,10 @@ class WindowSpec:
       axis_layout: which rows each member of the axis holds: ``"strided"``
         (micro-batch ``k``: rows ``k, k + N, ...``) or ``"contiguous"`` (the
         ``k``-th block of ``B / N`` rows, of each device's block per device).
+      conv_layout: convolutions inside the window's loops: ``"auto"`` (the
+        layout of the backend's fast kernel where that pays: CPU),
+        ``"canonical"`` (that layout on any backend) or ``"traced"`` (as
+        JAX traced them) (``jaxaccum._window._conv_layout``).
     """
 
     num_microbatches: int | None = None
@@ -109,6 +115,7 @@ class WindowSpec:
     sharding: Sharding = Sharding()
     axis_name: Hashable | None = None
     axis_layout: AxisLayout = "strided"
+    conv_layout: ConvLayout = "auto"
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_size is None):
@@ -125,6 +132,10 @@ class WindowSpec:
         check_accum_dtype("accum_dtype", self.accum_dtype)
         if not isinstance(self.unroll, bool):
             check_positive_int("unroll", self.unroll, "Pass a bool or a count.")
+        if self.conv_layout not in CONV_LAYOUTS:
+            raise ValueError(
+                f"conv_layout must be one of {CONV_LAYOUTS}, got {self.conv_layout!r}."
+            )
         if self.reduction not in REDUCTIONS:
             raise ValueError(
                 f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}."
