@@ -11,26 +11,31 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_gpu_benchmark_smoke_runs_every_contender(tmp_path):
-    out = tmp_path / "gpu.json"
-    # The smoke run proves every contender runs, not how fast: XLA's backend
-    # at its lowest optimisation compiles in half the time (98 s -> 48 s).
+def _smoke(out: pathlib.Path, *options: str, timeout: float = 300) -> dict:
+    """``gpu.py --smoke`` with ``options``, its results. The smoke run proves
+    every contender runs, not how fast: XLA's backend at its lowest
+    optimisation compiles in half the time (98 s -> 48 s)."""
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     done = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "gpu.py"),
             "--smoke",
+            *options,
             "--out",
             str(out),
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={**os.environ, "XLA_FLAGS": flags.strip()},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_gpu_benchmark_smoke_runs_every_contender(tmp_path):
+    results = _smoke(tmp_path / "gpu.json")
     jobs = {job["kind"]: job for job in results["jobs"]}
     assert not [job["job"] for job in results["jobs"] if "error" in job]
     assert set(jobs) == {
@@ -178,24 +183,8 @@ def test_model_class_matrix_smoke_runs_every_class(tmp_path):
     """gpu.py's model-class preset (benchmarks/model_classes.py's matrix) runs
     end to end on CPU: every class, the window and its contenders against the
     full batch, at N = 2."""
-    out = tmp_path / "classes.json"
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu.py"),
-            "--model-classes",
-            "--smoke",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "XLA_FLAGS": flags.strip()},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    results = _smoke(tmp_path / "classes.json", "--model-classes", timeout=600)
+    results = results["results"]
     classes = {name.rsplit("_n", 1)[0] for name in results}
     assert classes == {
         "mlp",
