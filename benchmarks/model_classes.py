@@ -3,7 +3,8 @@ class (issue 73): the promise is the big batch's speed, not only a peer's.
 
 Run: python benchmarks/model_classes.py [--quick]
 (writes benchmarks/results/model_classes.json; about 15 minutes on 2 CPU
-cores; ``--quick``: small shapes, one round, N = 2 only, written nowhere).
+cores; ``--quick``: small shapes, one round, N = 2 only, the peers on the
+ResNet-style class only, written nowhere).
 On an accelerator: ``python benchmarks/gpu.py --model-classes`` (the same
 matrix, with ``conv_layout="canonical"`` as a contender too, since
 ``"auto"`` rewrites only on CPU; ``--smoke`` runs it on CPU).
@@ -361,8 +362,9 @@ def _multisteps(model: ModelClass, num: int) -> Callable:
     return window
 
 
-def contenders(model: ModelClass, num: int) -> dict[str, Callable]:
-    """Each contender's step, jitted (the host loop: a Python function)."""
+def contenders(model: ModelClass, num: int, peers: bool = True) -> dict[str, Callable]:
+    """Each contender's step, jitted (the host loop: a Python function);
+    without ``peers``, the full batch and the window (either layout) only."""
     steps: dict[str, Callable] = {
         "full": jax.jit(jax.value_and_grad(_whole_batch(model)))
     }
@@ -376,6 +378,8 @@ def contenders(model: ModelClass, num: int) -> dict[str, Callable]:
     steps["window_traced"] = jax.jit(window(conv_layout="traced"))
     if jax.default_backend() != "cpu":  # "auto" rewrites on CPU only
         steps["window_canonical"] = jax.jit(window(conv_layout="canonical"))
+    if not peers:
+        return steps
     steps["unroll"] = jax.jit(window(unroll=True))
     if "axis_name" not in model.options:
         steps["optax_microbatching"] = jax.jit(
@@ -397,8 +401,8 @@ def temporaries(step: Callable, model: ModelClass) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def measure(model: ModelClass, num: int, rounds: int) -> dict:
-    steps = contenders(model, num)
+def measure(model: ModelClass, num: int, rounds: int, peers: bool = True) -> dict:
+    steps = contenders(model, num, peers)
     times = interleaved_seconds(steps, (model.params, model.batch), rounds)
     temps = {name: temporaries(step, model) for name, step in steps.items()}
     full = np.asarray(times["full"])
@@ -441,7 +445,8 @@ def run(quick: bool, rounds: int) -> dict:
     results: dict = {}
     for name, model in classes(quick).items():
         for num in (2,) if quick else (2, 8):
-            result = measure(model, num, rounds)
+            # The smoke run times the peers on one class: every contender runs.
+            result = measure(model, num, rounds, peers=not quick or name == "resnet")
             if num == 8:
                 result["holds"] = holds(result)
             results[f"{name}_n{num}"] = result

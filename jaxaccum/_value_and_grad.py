@@ -201,8 +201,8 @@ def make_accumulated(fun: Fun, options: WindowSpec) -> Fun:
         if split.num_microbatches == 1:
             out = run_single(micro, inputs, options, split)
         else:  # the loop's convolutions rewritten after the checks above ran
-            loop = window_kernels(run_scan, options.conv_layout)
-            out = loop(micro, inputs, options, split)
+            loop = functools.partial(run_scan, micro, options=options, split=split)
+            out = window_kernels(loop, options.conv_layout)(inputs)
         if scale is not None and options.state_nums:
             # A window the scale skips leaves the carried state as it was,
             # on every front end that writes it back (NNX in place).

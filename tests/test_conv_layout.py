@@ -154,7 +154,7 @@ def test_every_front_ends_loop_runs_canonical_convolutions(compiled_steps):
 _LAYOUTS = {2: ("NHWC", "HWIO", "NHWC"), 1: ("NWC", "WIO", "NWC")}
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(
     spatial=st.sampled_from([1, 2]),
     channels_first=st.booleans(),

@@ -181,8 +181,8 @@ def test_the_gpu_benchmark_modules_import_no_cycle():
 
 def test_model_class_matrix_smoke_runs_every_class(tmp_path):
     """gpu.py's model-class preset (benchmarks/model_classes.py's matrix) runs
-    end to end on CPU: every class, the window and its contenders against the
-    full batch, at N = 2."""
+    end to end on CPU: every class, the window (either layout) against the
+    full batch, and every peer on the ResNet-style class, at N = 2."""
     results = _smoke(tmp_path / "classes.json", "--model-classes", timeout=600)
     results = results["results"]
     classes = {name.rsplit("_n", 1)[0] for name in results}

@@ -67,7 +67,9 @@ def with_canonical_convs(fun: Fun) -> Fun:
 
 
 def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+    """Traced: JAX and NumPy arrays; anything else (a Python or NumPy scalar
+    such as a count, an option) is passed as it is."""
+    return isinstance(leaf, jax.Array | np.ndarray)
 
 
 def canonical_jaxpr(jaxpr: Jaxpr, in_loop: bool = False) -> Jaxpr:
