@@ -190,24 +190,16 @@ def test_property_the_layout_changes_no_number(
         shape = (*(3,) * spatial, in_channels, 4)
         kernels = [jax.random.normal(key, shape, jnp.float64) / 4 for key in keys]
 
+        options = dict(
+            rhs_dilation=(rhs_dilation,) * spatial, dimension_numbers=(lhs, rhs, out)
+        )
+
         def conv(images, kernel):
+            strides = (stride,) * spatial
             if transposed:
-                return lax.conv_transpose(
-                    images,
-                    kernel,
-                    (stride,) * spatial,
-                    padding,
-                    rhs_dilation=(rhs_dilation,) * spatial,
-                    dimension_numbers=(lhs, rhs, out),
-                )
+                return lax.conv_transpose(images, kernel, strides, padding, **options)
             return lax.conv_general_dilated(
-                images,
-                kernel,
-                (stride,) * spatial,
-                padding,
-                rhs_dilation=(rhs_dilation,) * spatial,
-                dimension_numbers=(lhs, rhs, out),
-                feature_group_count=groups,
+                images, kernel, strides, padding, feature_group_count=groups, **options
             )
 
         def loss(kernels, images):  # two layers: the input's gradient too

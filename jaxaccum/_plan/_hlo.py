@@ -195,9 +195,7 @@ def find_collectives(compiled: Any) -> list[Collective]:
       >>> jaxaccum.testing.find_collectives(compiled)  # one device: none
       []
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    bodies = _computations(text)
-    in_loop = _loop_computations(bodies)
+    bodies, in_loop = _program(compiled)
     runs = _runs(bodies)
     found = []
     for name, lines in bodies.items():
@@ -221,6 +219,14 @@ def find_collectives(compiled: Any) -> list[Collective]:
                 )
             )
     return found
+
+
+def _program(compiled: Any) -> tuple[dict[str, list[str]], set[str]]:
+    """A compiled program's (or its HLO text's) computations, name ->
+    instruction lines, and the names of those run inside a while loop."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    bodies = _computations(text)
+    return bodies, _loop_computations(bodies)
 
 
 def _computations(text: str) -> dict[str, list[str]]:
@@ -347,9 +353,7 @@ class Convolution(NamedTuple):
 def find_convolutions(compiled: Any) -> list[Convolution]:
     """Every convolution of a compiled program (``jax.jit(f).lower(...)
     .compile()``, or its HLO text), in the HLO's order."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    bodies = _computations(text)
-    in_loop = _loop_computations(bodies)
+    bodies, in_loop = _program(compiled)
     found = []
     for name, lines in bodies.items():
         for line in lines:
