@@ -163,6 +163,7 @@ _LAYOUTS = {2: ("NHWC", "HWIO", "NHWC"), 1: ("NWC", "WIO", "NWC")}
     rhs_dilation=st.sampled_from([1, 2]),
     groups=st.sampled_from([1, 2, 4]),
     transposed=st.booleans(),
+    size=st.sampled_from([1, 3]),
     num_microbatches=st.sampled_from([2, 4]),
 )
 def test_property_the_layout_changes_no_number(
@@ -173,10 +174,12 @@ def test_property_the_layout_changes_no_number(
     rhs_dilation,
     groups,
     transposed,
+    size,
     num_microbatches,
 ):
-    """Over the convolution's options the rewritten window equals the
-    untouched window and the big batch (float64, 1e-12)."""
+    """Over the convolution's options (a 1x1 kernel's gradient becomes a
+    dot) the rewritten window equals the untouched window and the big batch
+    (float64, 1e-12)."""
     with jax.enable_x64():
         lhs, rhs, out = _LAYOUTS[spatial]
         if channels_first:
@@ -187,7 +190,7 @@ def test_property_the_layout_changes_no_number(
         images = jax.random.normal(jax.random.key(0), shape, jnp.float64)
         in_channels = 4 if transposed else 4 // groups
         keys = jax.random.split(jax.random.key(1), 2)
-        shape = (*(3,) * spatial, in_channels, 4)
+        shape = (*(size,) * spatial, in_channels, 4)
         kernels = [jax.random.normal(key, shape, jnp.float64) / 4 for key in keys]
 
         options = dict(
@@ -214,6 +217,42 @@ def test_property_the_layout_changes_no_number(
         chex.assert_trees_all_close(rewritten, untouched, atol=FLOAT64_TOL, rtol=0)
         big = jax.value_and_grad(loss)(kernels, images)
         chex.assert_trees_all_close(rewritten, big, atol=FLOAT64_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dn", [("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")])
+def test_a_pointwise_kernels_gradient_is_a_dot_without_copies(dn):
+    """A 1x1 convolution's kernel gradient (a contraction over the whole
+    micro-batch) becomes a dot in the loop, not a convolution between
+    transposed copies (untouched, it is the slow one); its numbers are the
+    big batch's (float64, 1e-12)."""
+    with jax.enable_x64():
+        images = jax.random.normal(jax.random.key(0), (8, 4, 5, 5), jnp.float64)
+        kernel = jax.random.normal(jax.random.key(1), (3, 4, 1, 1), jnp.float64)
+        if dn[0] == "NHWC":
+            images, kernel = images.transpose(0, 2, 3, 1), kernel.transpose(2, 3, 1, 0)
+
+        def loss(kernel, images):
+            out = lax.conv_general_dilated(
+                images, kernel, (1, 1), "VALID", dimension_numbers=dn
+            )
+            return jnp.mean(jnp.tanh(out) ** 2)
+
+        def step(layout):
+            return jax.jit(jaxaccum.value_and_grad(loss, 4, conv_layout=layout))
+
+        def loop_convolutions(layout):
+            compiled = step(layout).lower(kernel, images).compile()
+            return [c for c in find_convolutions(compiled) if c.in_loop]
+
+        # XLA makes the 1x1 forward and input gradient dots itself.
+        assert loop_convolutions("canonical") == []
+        assert not all(c.canonical for c in loop_convolutions("traced"))
+        chex.assert_trees_all_close(
+            step("canonical")(kernel, images),
+            jax.value_and_grad(loss)(kernel, images),
+            atol=FLOAT64_TOL,
+            rtol=0,
+        )
 
 
 def test_python_arguments_stay_static_and_fun_is_traced_as_often():
