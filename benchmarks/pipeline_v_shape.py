@@ -1,0 +1,156 @@
+"""V-shaped schedules in lockstep, modeled (issue 74, items 3 and 4): how
+long a window a device cap on activations held buys, before any program is
+built.
+
+Run: python benchmarks/pipeline_v_shape.py   (writes
+benchmarks/results/pipeline_v_shape.json; a few seconds)
+
+Qi et al. ("Pipeline Parallelism with Controllable Memory", NeurIPS 2024)
+give each of ``S`` devices two of ``2 S`` chunks: device ``d`` holds chunk
+``d`` and chunk ``2 S - 1 - d``, so a micro-batch goes down the devices and
+back up, and its loss is taken on device 0. Each chunk's backward is split
+into B (the input's cotangent) and W (the weights' gradient), as in
+zero-bubble. The schedule is modeled here as the program would run it: in
+ticks, each device running one chunk's F, B or W per tick (F = B = W, no
+remat), an activation or cotangent sent in one tick usable in the next (a
+collective-permute, or a device handing itself the turn at the V's tip).
+Each device picks greedily, tick by tick: its oldest pending W when it
+holds ``cap`` chunk activations (from their F to their W; ``cap`` the
+family's one knob); else a B whose cotangent has arrived (the oldest
+micro-batch, the later chunk first); else an F whose input has arrived
+and which leaves room under ``cap`` (the up chunk's first, and a new
+micro-batch only with a slot to spare for its up chunk); else a W.
+
+Reported per (S, M) and cap, in stage units (a chunk's op is half a
+stage's): the modeled window against the landed lockstep 1F1B's
+``3 (M + S - 1)`` and the asynchronous ZB-H1's ``3 M + S - 1``, and the most
+activations a device holds (chunk activations / 2, in micro-batches of a
+whole stage) against 1F1B's ring of ``min(2 S - 1, M)`` and the
+asynchronous 1F1B's ``min(S, M)``. The caps named: V-ZB at ``2 S`` (the
+asynchronous 1F1B's memory), V-Half at ``S`` and V-Min at ``ceil(2 S / 3)``,
+and the least cap whose window is no longer than 1F1B's.
+"""
+
+import math
+
+import numpy as np
+from common import write_json
+
+from jaxaccum._pipeline._1f1b import OneFOneB
+
+_NEVER = 1 << 30
+
+
+class _State:
+    """Per chunk: how many F, B and W have run, and the tick of each."""
+
+    def __init__(self, stages: int, num: int):
+        self.chunks, self.num = 2 * stages, num
+        self.done = np.zeros((3, 2 * stages), int)  # F, B, W counts
+        self.at = np.full((3, 2 * stages, num), _NEVER)
+
+    def ready(self, op: int, chunk: int, tick: int) -> bool:
+        """Whether ``chunk``'s next F (op 0) or B (op 1) may run at ``tick``."""
+        m = self.done[op, chunk]
+        if m >= self.num:
+            return False
+        if op == 0:
+            return chunk == 0 or self.at[0, chunk - 1, m] < tick
+        last = chunk == self.chunks - 1
+        return self.at[0, chunk, m] < tick and (last or self.at[1, chunk + 1, m] < tick)
+
+    def held(self, chunks: tuple[int, int]) -> int:
+        return int(sum(self.done[0, c] - self.done[2, c] for c in chunks))
+
+    def oldest_weight(self, chunks: tuple[int, int]) -> int | None:
+        pending = [c for c in chunks if self.done[2, c] < self.done[1, c]]
+        if not pending:
+            return None
+        return min(pending, key=lambda c: self.at[1, c, self.done[2, c]])
+
+
+def _choice(state: _State, device: int, tick: int, cap: int) -> tuple[int, int] | None:
+    """The (op, chunk) ``device`` runs at ``tick`` (op 0 F, 1 B, 2 W)."""
+    down, up = device, state.chunks - 1 - device
+    held = state.held((down, up))
+    weight = state.oldest_weight((up, down))
+    if held >= cap and weight is not None:
+        return 2, weight
+    backs = [c for c in (up, down) if state.ready(1, c, tick)]
+    if backs:
+        return 1, min(backs, key=lambda c: (state.done[1, c], -c))
+    if state.ready(0, up, tick) and held + 1 <= cap:
+        return 0, up
+    if state.ready(0, down, tick) and held + 2 <= cap:
+        return 0, down
+    return None if weight is None else (2, weight)
+
+
+def v_schedule(stages: int, num: int, cap: int) -> dict:
+    """The greedy V-shaped schedule's modeled window (chunk ticks) and the
+    most chunk activations a device holds at once."""
+    state = _State(stages, num)
+    tick, most = 0, 0
+    while (state.done[2] < num).any():
+        if tick > 20 * num * stages + 100:
+            raise RuntimeError(f"no progress: S={stages} M={num} cap={cap}")
+        picks = [_choice(state, d, tick, cap) for d in range(stages)]
+        for pick in picks:
+            if pick is not None:
+                op, chunk = pick
+                state.at[op, chunk, state.done[op, chunk]] = tick
+                state.done[op, chunk] += 1
+        held = [state.held((d, 2 * stages - 1 - d)) for d in range(stages)]
+        most = max(most, *held)
+        tick += 1
+    return {"chunk_ticks": tick, "held_chunks": most}
+
+
+def _row(stages: int, num: int) -> dict:
+    one = OneFOneB(stages, num)
+    reference = {
+        "one_f_one_b_window": one.modeled_window(),
+        "async_zb_h1_window": 3.0 * num + stages - 1,
+        "one_f_one_b_ring": one.ring_size,
+        "async_one_f_one_b_held": min(stages, num),
+    }
+    caps = {}
+    for cap in range(3, 4 * stages + 1):
+        run = v_schedule(stages, num, cap)
+        caps[cap] = {
+            "window": run["chunk_ticks"] / 2,
+            "held": run["held_chunks"] / 2,
+            "ratio_to_1f1b": run["chunk_ticks"] / 2 / reference["one_f_one_b_window"],
+        }
+    named = {"v_zb": 2 * stages, "v_half": stages, "v_min": math.ceil(2 * stages / 3)}
+    named = {name: max(cap, 3) for name, cap in named.items()}
+    fits = [c for c, v in caps.items() if v["ratio_to_1f1b"] <= 1.0]
+    named["least_within_1f1b"] = min(fits)
+    return {
+        **reference,
+        "caps": caps,
+        "named": {name: {"cap": cap, **caps[cap]} for name, cap in named.items()},
+    }
+
+
+def main() -> None:
+    rows = {}
+    for stages in (2, 4, 8):
+        for num in (stages, 2 * stages, 4 * stages, 8 * stages):
+            rows[f"S{stages}_M{num}"] = row = _row(stages, num)
+            named = row["named"]
+            print(
+                f"S={stages} M={num:>2}: 1F1B {row['one_f_one_b_window']:5.1f} "
+                f"(ring {row['one_f_one_b_ring']}), ZB-H1 "
+                f"{row['async_zb_h1_window']:5.1f}; "
+                + "; ".join(
+                    f"{name} cap {v['cap']}: {v['window']:5.1f} "
+                    f"({v['ratio_to_1f1b']:.2f}x), held {v['held']:.1f}"
+                    for name, v in named.items()
+                )
+            )
+    write_json("pipeline_v_shape", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
