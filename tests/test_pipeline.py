@@ -502,11 +502,14 @@ def test_the_modeled_window_is_the_asynchronous_schedules(stages, num, repeats):
     )
     if repeats == 1:
         assert OneFOneB(stages, num).modeled_window() == 3 * (num + stages - 1)
-        # Zero-bubble (F = B = W = 1, one slot a tick): the asynchronous
-        # ZB-H1's for M >= S; for fewer, the first device's wait for its first
-        # B (2 S - 1 ticks) and its 2 M B and W slots after it.
+        # Zero-bubble (F = B = W = 1, one slot a tick, at most S micro-batches
+        # held from F to W): within a tick of the asynchronous ZB-H1's for
+        # M >= S (the W a full ring forces costs that tick); for fewer, the
+        # first device's wait for its first B (2 S - 1 ticks) and its 2 M B
+        # and W slots after it.
         window = ZeroBubble(stages, num).modeled_window()
-        assert window == max(3 * num + stages - 1, 2 * num + 2 * stages - 1)
+        optimum = max(3 * num + stages - 1, 2 * num + 2 * stages - 1)
+        assert window == optimum + (num >= stages > 1), (window, optimum)
         assert window < 3 * (num + stages - 1) or stages == 1
 
 
@@ -530,8 +533,11 @@ def test_zero_bubble_grid_runs_each_slot_once_in_order_and_never_overwrites(
     (``recomputes``) F and B at 1F1B's ticks; each micro-batch's F, B and W
     once on each device; F a tick after the previous device's F, B a tick
     after the next device's B (on the last device its own F's tick or
-    later), W not before its B; the ring K = min(2 S - 1, M), at most S
-    stored boundaries without remat, K with; and, replaying the device's
+    later), W not before its B; without remat at most S micro-batches held
+    from F to W (a ring of min(S, M), fewer than S stored boundaries, one
+    slot per inbox: ZB-H1's memory, under 1F1B's ring of min(2 S - 1, M)),
+    with remat 1F1B's ring K = min(2 S - 1, M) and at most K stored
+    boundaries; and, replaying the device's
     reads and writes in the tick's order (arrivals put in, F reads its
     activation and writes its residuals, the loss's cotangent put in, B
     reads both and writes its boundary, W reads both), no slot of a ring or
@@ -554,8 +560,13 @@ def test_zero_bubble_grid_runs_each_slot_once_in_order_and_never_overwrites(
         else:
             assert b[d, m] > b[d + 1, m] and b[d, m] > f[d, m]
         assert w[d, m] >= b[d, m] + (0 if recomputes else 1)
-    assert schedule.ring_size == min(2 * stages - 1, num)
-    assert schedule.stored_size <= (schedule.ring_size if recomputes else stages)
+    if recomputes:
+        assert schedule.ring_size == min(2 * stages - 1, num)
+        assert schedule.stored_size <= schedule.ring_size
+    else:
+        sizes = (grid.ring_size, grid.inbox_size, grid.back_size)
+        assert sizes == (min(stages, num), 1, 1), sizes
+        assert grid.stored_size <= max(stages - 1, 1), grid.stored_size
     sizes = {
         "ring": grid.ring_size,
         "stored": grid.stored_size,
@@ -693,22 +704,24 @@ def test_the_split_backward_is_the_pullback_and_w_does_not_redo_b(
 
 
 def test_zero_bubble_grid_beats_every_w_placement_on_1f1b_ticks():
-    """The grid's window is at most the least any placement of the W slots
-    on 1F1B's ticks reaches (the integer program's optimum with one W slot a
-    tick, benchmarks/pipeline_zero_bubble.py, its committed rows for S = 2,
-    4, 8: the first design's bound), below it at M = S (S = 4, 8), and at the
-    asynchronous ZB-H1's for M >= S."""
+    """The grid's window is within a tick of the least any placement of the
+    W slots on 1F1B's ticks reaches (the integer program's optimum with one
+    W slot a tick, benchmarks/pipeline_zero_bubble.py, its committed rows for
+    S = 2, 4, 8: the first design's bound, on 1F1B's ring of 2 S - 1
+    residual slots where the grid holds S), below it at M = S (S = 4, 8),
+    and a tick over the asynchronous ZB-H1's for M >= S (the W its full ring
+    forces)."""
     rows = json.loads(ZERO_BUBBLE_RESULTS.read_text())["rows"]
     assert len(rows) >= 15
     for row in rows.values():
         stages, num = row["stages"], row["num_microbatches"]
         window = ZeroBubble(stages, num).modeled_window()
         optimum = row["one_slot"]["zero_bubble_window"]
-        assert window <= optimum, (row, window)
+        assert window <= optimum + 1, (row, window)
         if num == stages >= 4:  # where 1F1B's ticks leave the most idle
             assert window < optimum, (row, window)
         if num >= stages:
-            assert window == 3 * num + stages - 1, (row, window)
+            assert window == 3 * num + stages, (row, window)
 
 
 @settings(max_examples=40, deadline=None)

@@ -293,11 +293,12 @@ def test_plan_pipeline_plans_zero_bubble_with_remat_and_softplus():
 
 
 def test_remat_none_runs_zero_bubbles_tables_without_remat():
-    """At S = M = 4 zero-bubble's window without remat is 3 M + S - 1 = 15
-    units (17 with remat's tables); None is no remat."""
+    """At S = M = 4 zero-bubble's window without remat is 3 M + S = 16
+    units (a tick over ZB-H1's, at its memory; 17 with remat's tables); None
+    is no remat."""
     plain = ZeroBubble.for_window(4, 4, 1, None)
     assert plain == ZeroBubble.for_window(4, 4, 1, False), plain
-    assert plain.modeled_window() == 15, plain.modeled_window()
+    assert plain.modeled_window() == 16, plain.modeled_window()
     assert ZeroBubble.for_window(4, 4, 1, True).modeled_window() == 17
 
 
@@ -321,7 +322,7 @@ def fake_row(functions, options, mesh, args):
 def test_plan_pipeline_remat_none_is_planned_and_labelled_as_no_remat():
     """plan_pipeline(remat=None) at S = M = 4 (the compiles stubbed: the
     bubble and the label are the planner's, not the compiler's): bubble
-    (S - 1) / (3 M + S - 1) = 3 / 15 = 0.200, efficiency 0.8 (no forward
+    S / (3 M + S) = 4 / 16 = 0.250, efficiency 0.75 (no forward
     recomputed), its rows labelled None (not "policy")."""
     params = make_params(4)
     with (
@@ -342,8 +343,8 @@ def test_plan_pipeline_remat_none_is_planned_and_labelled_as_no_remat():
             candidates=[4],
             remat=None,
         )
-    assert plan.bubble == pytest.approx(3 / 15), plan.bubble
-    assert plan.efficiency == pytest.approx(12 / 15), plan.efficiency
+    assert plan.bubble == pytest.approx(4 / 16), plan.bubble
+    assert plan.efficiency == pytest.approx(12 / 16), plan.efficiency
     header, columns, row = str(plan).splitlines()
     assert "remat=None" in header, header
     assert row.split()[columns.split().index("remat")] == "None", row

@@ -8,8 +8,10 @@ and each tick gives a device an F, a B and a W slot where the tables
 neighbour permutes. Without remat (F = B = W) the tables are a grid of one
 slot a tick (:func:`_one_slot`): B first, then F while the device holds
 fewer than ``S - d`` micro-batches between F and B, then W, which it must
-run once ``S`` are stored; its modeled window is the asynchronous ZB-H1's
-``3 M + S - 1`` for ``M >= S``. With remat B recomputes the forward (B =
+run once ``S`` are held between their F and their W (ZB-H1's activation
+memory: a ring of ``S`` residual slots, under 1F1B's ``2 S - 1``); its
+modeled window is within a tick of the asynchronous ZB-H1's ``3 M + S -
+1`` for ``M >= S``. With remat B recomputes the forward (B =
 2 F) and a grid would pay a B's tick on every tick: F and B keep 1F1B's
 ticks and each W is deferred into a tick it does not lengthen
 (:func:`_deferred_weights`). Activations and cotangents that arrive before
@@ -65,11 +67,14 @@ class Grid(NamedTuple):
 
 def _one_slot(num_stages: int, num: int) -> tuple[np.ndarray, ...]:
     """The F, B and W tables of one slot a tick, tick by tick: a device
-    runs its next B when its F is done and the cotangent has arrived (a
-    tick after the next device's B; on the last device a tick after its
-    F), else its next F when the activation has arrived and it holds fewer
-    than ``S - d`` between F and B, else its next W; it runs the W first
-    once ``S`` boundaries are stored."""
+    runs its oldest pending W first when it holds ``S`` micro-batches
+    between their F and their W (its residual ring is full) and one has had
+    its B; else its next B when its F is done and the cotangent has arrived
+    (a tick after the next device's B; on the last device a tick after its
+    F); else its next F when the activation has arrived and it holds fewer
+    than ``S - d`` between F and B and fewer than ``S`` between F and W;
+    else its next W. The ring is ``min(S, M)`` slots, the stored boundaries
+    fewer, the window within a tick of ZB-H1's ``3 M + S - 1``."""
     stages = range(num_stages)
     f_at = np.full((num_stages, num), 1 << 30)
     b_at = np.full((num_stages, num), 1 << 30)
@@ -80,7 +85,7 @@ def _one_slot(num_stages: int, num: int) -> tuple[np.ndarray, ...]:
         column = np.full((3, num_stages), -1)
         for d in stages:
             f, b = nf[d], nb[d]
-            if nb[d] - nw[d] >= num_stages:
+            if f - nw[d] >= num_stages and nw[d] < b:
                 column[2, d] = nw[d]
             elif (
                 b < num
@@ -91,10 +96,11 @@ def _one_slot(num_stages: int, num: int) -> tuple[np.ndarray, ...]:
             elif (
                 f < num
                 and (d == 0 or f_at[d - 1, f] < tick)
-                and f - nb[d] < num_stages - d
+                and f - b < num_stages - d
+                and f - nw[d] < num_stages
             ):
                 column[0, d] = f
-            elif nw[d] < nb[d]:
+            elif nw[d] < b:
                 column[2, d] = nw[d]
         for d in stages:
             if column[0, d] >= 0:
@@ -199,14 +205,15 @@ def _column(table: np.ndarray, tick: Any, stage: Any) -> tuple[Any, Any]:
 @dataclasses.dataclass(frozen=True)
 class ZeroBubble(OneFOneB):
     """Zero-bubble in one program on its :func:`grid`: without remat one F,
-    B or W slot per device a tick, ``3 M + S - 1`` ticks for ``M >= S``;
+    B or W slot per device a tick, ``3 M + S`` ticks for ``M >= S > 1``
+    (``3 M + S - 1`` to the last F and B, then one of W);
     with remat (``recomputes``) 1F1B's ticks and W's deferred, then ticks
     of W slots only (those after the last F and B are a loop without
-    permutes). The activation memory is 1F1B's ring of ``min(2 S - 1, M)``
-    residual slots, a ring of B's boundaries (at most ``S`` slots without
-    remat, ``min(2 S - 1, M)`` with; for a stage of ``L`` dense layers,
-    ``L`` activations a slot) and, without remat, the inboxes (an
-    activation each).
+    permutes). The activation memory is a ring of residual slots
+    (``min(S, M)`` without remat, 1F1B's ``min(2 S - 1, M)`` with), a ring
+    of B's boundaries (at most ``S - 1`` slots without remat, ``min(2 S -
+    1, M)`` with; for a stage of ``L`` dense layers, ``L`` activations a
+    slot) and, without remat, the inboxes (an activation each).
     ``repeats=1`` only.
 
     Attributes:
@@ -241,12 +248,14 @@ class ZeroBubble(OneFOneB):
 
     @property
     def ring_size(self) -> int:
-        """The residual slots a device keeps: ``min(2 S - 1, M)``."""
+        """The residual slots a device keeps: ``min(S, M)`` (``min(2 S - 1,
+        M)`` with remat)."""
         return self.grid().ring_size
 
     @property
     def stored_size(self) -> int:
-        """The stored boundaries' slots: at most ``S`` (``K`` with remat)."""
+        """The stored boundaries' slots: at most ``max(S - 1, 1)`` (``K``
+        with remat)."""
         return self.grid().stored_size
 
     def weight_table(self) -> np.ndarray:
@@ -294,7 +303,7 @@ class ZeroBubble(OneFOneB):
     @property
     def bubble_fraction(self) -> float:
         """The share of the modeled window a device is idle, ``1 - 3 M /
-        window``: without remat ``(S - 1) / (3 M + S - 1)`` for ``M >= S``."""
+        window``: without remat ``S / (3 M + S)`` for ``M >= S > 1``."""
         return 1.0 - self.useful_work / self.modeled_window()
 
     def stage_gradient_table(self) -> np.ndarray:
