@@ -6,11 +6,13 @@ convolutions outside loops only (the kernel gradient's convolution stays
 
 What is checked: the compiled program's convolutions inside loops, read from
 its HLO, are all canonical through every in-step front end, and ``"traced"``
-(the off switch) leaves the slow one there; and the rewrite changes the
-layout only: over the convolution's options (strides, padding, dilations,
-groups, transposed, 1 to 3 spatial dimensions, NCHW or NHWC), the window's
-value and gradients equal the untouched window's and the big batch's in
-float64 within 1e-12 (the same sums; float64 rounding is below 1e-14 here).
+(the off switch) leaves the slow one there; a 1x1 convolution's kernel
+gradient is a dot, a transposed convolution's has no reversed window; and
+the rewrite changes the numbers no more than the order of their sums does:
+over the convolution's options (strides, padding, dilations, groups,
+transposed, kernel sizes, 1 or 2 spatial dimensions, NCHW or NHWC), the
+window's value and gradients equal the untouched window's and the big
+batch's in float64 within 1e-12 (float64 rounding is below 1e-14 here).
 Speed is measured in ``benchmarks/model_classes.py``, not here.
 """
 
@@ -247,6 +249,43 @@ def test_a_pointwise_kernels_gradient_is_a_dot_without_copies(dn):
         # XLA makes the 1x1 forward and input gradient dots itself.
         assert loop_convolutions("canonical") == []
         assert not all(c.canonical for c in loop_convolutions("traced"))
+        chex.assert_trees_all_close(
+            step("canonical")(kernel, images),
+            jax.value_and_grad(loss)(kernel, images),
+            atol=FLOAT64_TOL,
+            rtol=0,
+        )
+
+
+@pytest.mark.parametrize("spatial", [1, 2])
+def test_a_transposed_convolutions_kernel_gradient_has_no_reversed_window(spatial):
+    """XLA swaps the operands of a transposed convolution's kernel gradient
+    (its window outgrows its input) and reverses the window, which no fast
+    CPU kernel takes; the window swaps them first, so its loop holds no
+    reversed window (the untouched one does), and its numbers are the big
+    batch's (float64, 1e-12)."""
+    dn = _LAYOUTS[spatial]
+    with jax.enable_x64():
+        shape = (8, *(6,) * spatial, 3)
+        images = jax.random.normal(jax.random.key(0), shape, jnp.float64)
+        kernel = jax.random.normal(jax.random.key(1), (*(3,) * spatial, 3, 4)) / 4
+
+        def loss(kernel, images):
+            up = lax.conv_transpose(
+                images, kernel, (2,) * spatial, "SAME", dimension_numbers=dn
+            )
+            return jnp.mean(jnp.tanh(up) ** 2)
+
+        def step(layout):
+            return jax.jit(jaxaccum.value_and_grad(loss, 4, conv_layout=layout))
+
+        def reversed_window(layout):
+            return (
+                "rhs_reversal" in step(layout).lower(kernel, images).compile().as_text()
+            )
+
+        assert not reversed_window("canonical")
+        assert reversed_window("traced")
         chex.assert_trees_all_close(
             step("canonical")(kernel, images),
             jax.value_and_grad(loss)(kernel, images),

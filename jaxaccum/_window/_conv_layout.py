@@ -9,9 +9,11 @@ kernel gradient's convolution, which JAX's transpose rule writes as
 time for a convolutional model. The window's program is therefore rewritten
 after it is traced (so after differentiation): each convolution inside a
 loop's body becomes the same convolution in the canonical layout between
-explicit transposes, or, where the window covers the whole input (a 1x1
+explicit transposes; where the window covers the whole input (a 1x1
 convolution's kernel gradient), a dot over the contracted axes, which needs
-at most one of the transposed copies. The result is the untouched
+at most one of the transposed copies; where XLA would swap the operands
+and reverse the window (a transposed convolution's kernel gradient), the
+swap written first (``_conv_swap``). The result is the untouched
 program's up to the order of its sums (float64 within 1e-12, tested).
 """
 
@@ -26,6 +28,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from jaxaccum._types import ConvLayout, Fun, PyTree
+from jaxaccum._window._conv_swap import (
+    canonical_dimension_numbers,
+    explicitly_sharded,
+    shape_of,
+    swapped_conv,
+    swaps_operands,
+)
 
 # Primitives whose bodies run once per iteration: their convolutions are
 # the ones XLA:CPU leaves in the slow layout.
@@ -101,20 +110,12 @@ def _rewritten_param(value: Any, in_loop: bool) -> Any:
     return value
 
 
-def canonical_dimension_numbers(rank: int) -> lax.ConvDimensionNumbers:
-    """Batch, spatial..., feature; the kernel's spatial..., in, out."""
-    spatial = tuple(range(1, rank - 1))
-    return lax.ConvDimensionNumbers(
-        (0, rank - 1, *spatial),
-        (rank - 1, rank - 2, *range(rank - 2)),
-        (0, rank - 1, *spatial),
-    )
-
-
 def canonical_conv(eqn: JaxprEqn) -> list[JaxprEqn]:
     """A convolution's equation as equations that transpose its operands to
     the canonical layout, convolve there and transpose the result back (the
     equation itself where it is canonical already)."""
+    if swaps_operands(eqn):
+        return swapped_conv(eqn)
     numbers = eqn.params["dimension_numbers"]
     canonical = canonical_dimension_numbers(len(numbers.lhs_spec))
     if numbers == canonical:
@@ -144,7 +145,7 @@ def _is_contraction(eqn: JaxprEqn) -> bool:
     Only where no operand carries an Explicit sharding."""
     params = eqn.params
     numbers = params["dimension_numbers"]
-    lhs, rhs = (_shape(v) for v in eqn.invars)
+    lhs, rhs = (shape_of(v) for v in eqn.invars)
     plain = (
         params["feature_group_count"] == 1
         and params["batch_group_count"] == 1
@@ -153,14 +154,7 @@ def _is_contraction(eqn: JaxprEqn) -> bool:
     )
     spatial_lhs = [lhs[axis] for axis in numbers.lhs_spec[2:]]
     spatial_rhs = [rhs[axis] for axis in numbers.rhs_spec[2:]]
-    unsharded = not any(
-        any(
-            e is not None
-            for e in getattr(getattr(v.aval, "sharding", None), "spec", ())
-        )
-        for v in (*eqn.invars, *eqn.outvars)
-    )
-    return plain and spatial_lhs == spatial_rhs and unsharded
+    return plain and spatial_lhs == spatial_rhs and not explicitly_sharded(eqn)
 
 
 def _as_dot(eqn: JaxprEqn) -> list[JaxprEqn]:
@@ -186,12 +180,12 @@ def _as_dot(eqn: JaxprEqn) -> list[JaxprEqn]:
     precision = eqn.params["precision"]
     # The product's axes: (lhs batch, rhs out) or, swapped, the reverse.
     kept = [numbers.out_spec[0], numbers.out_spec[1]]
-    if np.prod(_shape(rhs)) < np.prod(_shape(lhs)):
+    if np.prod(shape_of(rhs)) < np.prod(shape_of(lhs)):
         lhs, rhs, lhs_axes, rhs_axes = rhs, lhs, rhs_axes, lhs_axes
         kept.reverse()
         if isinstance(precision, tuple):
             precision = precision[::-1]
-    product = Var(out.aval.update(shape=tuple(_shape(out)[a] for a in kept)))
+    product = Var(out.aval.update(shape=tuple(shape_of(out)[a] for a in kept)))
     dot = eqn.replace(
         primitive=lax.dot_general_p,
         params={
@@ -206,14 +200,14 @@ def _as_dot(eqn: JaxprEqn) -> list[JaxprEqn]:
     eqns = [dot]
     if kept[0] > kept[1]:
         product, swapped = (
-            Var(product.aval.update(shape=_shape(product)[::-1])),
+            Var(product.aval.update(shape=shape_of(product)[::-1])),
             product,
         )
         eqns.append(_transpose_eqn(eqn, swapped, product, (1, 0)))
     spread = eqn.replace(
         primitive=lax.broadcast_in_dim_p,
         params={
-            "shape": _shape(out),
+            "shape": shape_of(out),
             "broadcast_dimensions": tuple(sorted(kept)),
             "sharding": None,
         },
@@ -221,10 +215,6 @@ def _as_dot(eqn: JaxprEqn) -> list[JaxprEqn]:
         outvars=[out],
     )
     return [*eqns, spread]
-
-
-def _shape(var: Any) -> tuple[int, ...]:
-    return tuple(var.aval.shape)
 
 
 def _permuted_var(var: Any, order: Sequence[int]) -> Var:
