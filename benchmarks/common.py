@@ -19,6 +19,22 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def against_full(times: dict[str, list[float]], temps: dict[str, int]) -> dict:
+    """Interleaved rounds' times and compiled temporaries per contender, and
+    each against the ``"full"`` contender's: the rounds' ratios (a round's
+    contenders share its load) and the temporaries' ratio."""
+    full = [float(t) for t in times["full"]]
+    return {
+        "seconds": {name: spread(t) for name, t in times.items()},
+        "over_full": {
+            name: spread([a / b for a, b in zip(t, full, strict=True)])
+            for name, t in times.items()
+        },
+        "temp_bytes": temps,
+        "temp_over_full": {name: temp / temps["full"] for name, temp in temps.items()},
+    }
+
+
 def write_json(name: str, payload: dict) -> pathlib.Path:
     from jaxaccum.cli.harness import machine  # needs the cli extra
 

@@ -36,9 +36,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from cached import interleaved_seconds
-from common import spread, write_json
+from common import against_full, write_json
 from jax import lax
 
 import jaxaccum
@@ -255,16 +254,7 @@ def measure(case: Case, rounds: int) -> dict:
         for name, step in steps.items()
     }
     times = interleaved_seconds(steps, (params, batch), rounds)
-    full = np.asarray(times["full"])
-    return {
-        "seconds": {name: spread(t) for name, t in times.items()},
-        "over_full": {
-            name: spread([float(r) for r in np.asarray(t) / full])
-            for name, t in times.items()
-        },
-        "temp_bytes": temps,
-        "temp_over_full": {name: temp / temps["full"] for name, temp in temps.items()},
-    }
+    return against_full(times, temps)
 
 
 def run(rounds: int, only: list[str] | None) -> dict:

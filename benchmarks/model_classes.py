@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from cached import interleaved_seconds
-from common import spread, write_json
+from common import against_full, spread, write_json
 from jax import lax
 
 import jaxaccum
@@ -405,16 +405,7 @@ def measure(model: ModelClass, num: int, rounds: int, peers: bool = True) -> dic
     steps = contenders(model, num, peers)
     times = interleaved_seconds(steps, (model.params, model.batch), rounds)
     temps = {name: temporaries(step, model) for name, step in steps.items()}
-    full = np.asarray(times["full"])
-    result = {
-        "seconds": {name: spread(t) for name, t in times.items()},
-        "over_full": {
-            name: spread([float(r) for r in np.asarray(t) / full])
-            for name, t in times.items()
-        },
-        "temp_bytes": temps,
-        "temp_over_full": {name: temp / temps["full"] for name, temp in temps.items()},
-    }
+    result = against_full(times, temps)
     for peer, key in (("optax_microbatching", "optax"), ("window_traced", "traced")):
         if peer in times:  # round by round: a round's contenders share its load
             ratios = np.asarray(times["window"]) / np.asarray(times[peer])

@@ -34,6 +34,7 @@ from jaxaccum._window._conv_swap import (
     shape_of,
     swapped_conv,
     swaps_operands,
+    ungrouped,
 )
 
 # Primitives whose bodies run once per iteration: their convolutions are
@@ -147,8 +148,7 @@ def _is_contraction(eqn: JaxprEqn) -> bool:
     numbers = params["dimension_numbers"]
     lhs, rhs = (shape_of(v) for v in eqn.invars)
     plain = (
-        params["feature_group_count"] == 1
-        and params["batch_group_count"] == 1
+        ungrouped(eqn)
         and all(p == (0, 0) for p in params["padding"])
         and all(d == 1 for d in (*params["lhs_dilation"], *params["rhs_dilation"]))
     )

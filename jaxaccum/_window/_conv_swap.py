@@ -31,8 +31,7 @@ def swaps_operands(eqn: JaxprEqn) -> bool:
     numbers = params["dimension_numbers"]
     lhs, rhs = (shape_of(v) for v in eqn.invars)
     plain = (
-        params["feature_group_count"] == 1
-        and params["batch_group_count"] == 1
+        ungrouped(eqn)
         and any(d > 1 for d in params["lhs_dilation"])
         and all(d == 1 for d in (*params["rhs_dilation"], *params["window_strides"]))
     )
@@ -43,6 +42,11 @@ def swaps_operands(eqn: JaxprEqn) -> bool:
     return bool(window > inputs) and all(
         pad >= 0 for pair in _swapped_padding(eqn) for pad in pair
     )
+
+
+def ungrouped(eqn: JaxprEqn) -> bool:
+    """Whether a convolution has one feature group and one batch group."""
+    return eqn.params["feature_group_count"] == eqn.params["batch_group_count"] == 1
 
 
 def shape_of(var: Any) -> tuple[int, ...]:
