@@ -7,6 +7,7 @@ compiled measurements (temporaries against 1F1B's, FLOPs of a slot).
 
 import dataclasses
 import functools
+import re
 
 import chex
 import jax
@@ -29,6 +30,7 @@ from pipeline_checks import (
     check_report_stats,
     check_sum_reduction,
     check_weighted_aux_keys,
+    compile_to_read,
     make_batch,
     make_params,
     max_error,
@@ -38,13 +40,13 @@ from pipeline_checks import (
     reference,
     sequential_flops,
     stage_fn,
-    temp_bytes,
     tolerance,
     wide_case,
     wide_temps,
 )
 
 from jaxaccum._pipeline._interleaved import Interleaved
+from jaxaccum._plan._hlo import _program, find_collectives
 
 SCHEDULE = "1f1b"
 # Exact on every mesh: M = S, 2S on stage=8; M < S, S, 7, 4S on stage=4 x
@@ -129,11 +131,73 @@ def check_against_1f1b():
 
 
 @functools.cache
+def interleaved_compiled(remat: bool, stages: int, num: int, repeats: int):
+    """The wide model of ``S R`` layers under interleaved 1F1B, compiled to
+    be read (once a process: the memory and HLO checks share it)."""
+    case = dataclasses.replace(wide_case(stages, num, repeats), schedule=SCHEDULE)
+    return compile_to_read(jax.jit(pipelined(case, remat=remat)).lower(*case.placed))
+
+
 def interleaved_temps(remat: bool, stages: int, num: int, repeats: int) -> float:
     """Per-device temporaries of the wide model of ``S R`` layers under
     interleaved 1F1B, in activations."""
-    case = dataclasses.replace(wide_case(stages, num, repeats), schedule=SCHEDULE)
-    return temp_bytes(case, remat=remat) / (WIDE_ROWS * WIDE * 4)
+    compiled = interleaved_compiled(remat, stages, num, repeats)
+    return compiled.memory_analysis().temp_size_in_bytes / (WIDE_ROWS * WIDE * 4)
+
+
+_SLICE = re.compile(r"%(\S+) = \S+ (dynamic-slice|slice)\(%([^,)]+)")
+_SHAPE = re.compile(r"%(\S+) = [a-z0-9]+\[([0-9,]*)\]")
+_IN_PLACE = re.compile(r"ROOT %\S+ = \S+ dynamic-update-slice\(%([^,)]+)")
+
+
+def stack_slices_in_loop(text: str, stacks: set) -> list[str]:
+    """The slices in the loop's computations (fused ones included) of an
+    array shaped as one of ``stacks`` (a device's stacked stage parameters:
+    a slice of one is a copy of a stage's parameters made every tick); a
+    fusion's read of the array its root updates in place (the gradient's
+    ``(R, ...)`` accumulator, added to at the tick's repeat) is none."""
+    bodies, in_loop = _program(text)
+    found = []
+    for name in in_loop:
+        updated = {m.group(1) for m in map(_IN_PLACE.search, bodies[name]) if m}
+        shapes = {}
+        for line in bodies[name]:
+            match = _SHAPE.search(line)
+            if match:
+                shapes[match.group(1)] = tuple(
+                    int(d) for d in match.group(2).split(",") if d
+                )
+        for line in bodies[name]:
+            match = _SLICE.search(line)
+            read = match.group(3) if match else None
+            if read not in updated and shapes.get(read) in stacks:
+                found.append(line.strip()[:160])
+    return found
+
+
+def check_no_parameter_copies():
+    """At S = 4, R = 2 (M = 2S, the memory check's program): no slice of the
+    device's stacked stage parameters in the loop (a stage slot reads its
+    chunk's parameters whole, split once before the loop), and outside it
+    the stages are relaid out once: all-to-alls of at most the parameters'
+    bytes (device d holds stages 2d, 2d + 1 as they arrive, runs d, 4 + d)."""
+    stages, repeats = 4, 2
+    compiled = interleaved_compiled(False, stages, 2 * stages, repeats)
+    like = wide_case(stages, 2 * stages, repeats).params[1]
+    stacks = set()
+    for leaf in jax.tree.leaves(like):
+        rest = tuple(leaf.shape[1:])
+        stacks |= {(repeats, *rest), (repeats, 1, *rest)}
+    text = compiled.as_text()
+    found = stack_slices_in_loop(text, stacks)
+    assert not found, found
+    moved = [c for c in find_collectives(compiled) if c.op == "all-to-all"]
+    param_bytes = sum(p.nbytes for p in jax.tree.leaves(like))
+    assert sum(c.bytes for c in moved) <= param_bytes, (moved, param_bytes)
+    return (
+        f"no slice of {sorted(stacks)} in the loop; all-to-all "
+        f"{sum(c.bytes for c in moved)} B outside (stages {param_bytes} B)"
+    )
 
 
 def slot_flops(case: Case, ticks: int) -> float:
@@ -194,6 +258,7 @@ CHECKS = {
     "drawn_options_agree": check_drawn_options,
     "against_1f1b": check_against_1f1b,
     "memory_and_flops": check_memory_and_flops,
+    "no_parameter_copies": check_no_parameter_copies,
 }
 
 

@@ -173,6 +173,7 @@ CHECKS = [
     "interleaved_drawn_options_agree",
     "interleaved_against_1f1b",
     "interleaved_memory_and_flops",
+    "interleaved_no_parameter_copies",
 ]
 
 

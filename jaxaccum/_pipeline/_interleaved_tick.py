@@ -72,15 +72,37 @@ def _ticks_of(device: Device) -> InterleavedTicks:
     return cast(InterleavedTicks, device.schedule)
 
 
-def _given(device: Device, index: Any, repeat: Any) -> tuple:
-    """``(stage parameters, key)`` of micro-batch ``index`` at this device's
-    stage of ``repeat``: its ``(1, ...)`` slice of the device's stages (the
-    stage call indexes its 0), the key of model stage ``repeat S + d``."""
-    own = jax.tree.map(
-        lambda p: lax.dynamic_slice_in_dim(p, repeat, 1, 0), device.own_stages
+def _chunks(device: Device) -> Device:
+    """``device`` with its ``R`` stages as ``R`` arrays, ``(1, ...)`` each
+    (split once, before the loop): a stage slot's :func:`_on_chunk` reads its
+    repeat's whole, where a slice of the ``(R, ...)`` stack taken at the
+    tick's repeat would be copied every tick (XLA:CPU materialises a
+    dynamic slice that feeds a dot)."""
+    repeats = _ticks_of(device).repeats
+    own = device.own_stages
+    parts = tuple(
+        jax.tree.map(lambda p, r=r: p[r : r + 1], own) for r in range(repeats)
     )
+    return device._replace(own_stages=parts)
+
+
+def _key(device: Device, index: Any, repeat: Any) -> Any:
+    """The key of micro-batch ``index`` at model stage ``repeat S + d``."""
     layer = repeat * device.schedule.num_stages + device.stage
-    return own, microbatch_key(device, index, layer)
+    return microbatch_key(device, index, layer)
+
+
+def _on_chunk(device: Device, repeat: Any, fn: Any, *operands: Any) -> Any:
+    """``fn(own, *operands)`` on the ``(1, ...)`` stage parameters of this
+    device's ``repeat`` (:func:`_chunks`): a ``lax.switch`` whose branch
+    ``r`` reads chunk ``r`` whole, no parameter copied per tick."""
+    axes = axes_of(device)
+
+    def branch(r: int):
+        return lambda parts, *ops: varying(fn(parts[r], *ops), axes)
+
+    branches = [branch(r) for r in range(len(device.own_stages))]
+    return lax.switch(repeat, branches, device.own_stages, *operands)
 
 
 def _table(device: Device, name: str, tick: Any) -> jax.Array:
@@ -107,18 +129,21 @@ def _forward_slot(window: Window, carry: Carry, tick_index: Any):
     slot = _table(device, "forward_slot", tick_index)
     old = read_ring(carry.ring, slot)
 
-    def run(given, x):
-        y, saved, pullback = forward(stage_call(device), given, x)
+    def chunk(own, key, x):
+        y, saved, pullback = forward(stage_call(device), (own, key), x)
         window.pullback[:] = [pullback]
         return y, saved
 
-    given = _given(device, tick.microbatch, tick.repeat)
+    def run(key, x):
+        return _on_chunk(device, tick.repeat, chunk, key, x)
+
+    key = _key(device, tick.microbatch, tick.repeat)
     if window.skip:
         y, saved = device_cond(
-            device, tick.valid, run, lambda *_: (device.fill, old), given, x
+            device, tick.valid, run, lambda *_: (device.fill, old), key, x
         )
     else:
-        y, saved = run(given, x)
+        y, saved = run(key, x)
         saved = select(tick.valid, saved, old)
     ring = [
         lax.dynamic_update_index_in_dim(r, s, slot, 0)
@@ -152,10 +177,14 @@ def _backward_slot(window: Window, carry: Carry, ring: list, message, t: Any):
     embed_grad, stage_grad, head_grad = carry.grads
     zero = varying(jnp.zeros((), jnp.float32), axes_of(device))
 
+    def chunk(own, key, saved, cotangent):
+        (own_grad, _), dx = backward(window.pullback[0], (own, key), saved, cotangent)
+        return own_grad, dx
+
     def run(stage_grad, saved, message):
-        given = _given(device, index, repeat)
         cotangent = full_cotangent(device.fill, message.cotangent)
-        (own_grad, _), dx = backward(window.pullback[0], given, saved, cotangent)
+        key = _key(device, index, repeat)
+        own_grad, dx = _on_chunk(device, repeat, chunk, key, saved, cotangent)
         accum = device.options.accum_dtype
         grad = jax.tree.map(
             lambda g: g.astype(accum_dtype_for(g.dtype, accum)), own_grad
@@ -214,7 +243,9 @@ def run_window(
     options = static.options
     schedule = cast(InterleavedTicks, static.schedule)
     window = make_window(static, skip, params, batch, key, loss_scale)
-    first = _given(window.device, 0, 0)  # a stage of repeat 0: the ring's slots
+    window = window._replace(device=_chunks(window.device))
+    # a stage of repeat 0: the ring's slots
+    first = (window.device.own_stages[0], _key(window.device, 0, 0))
     carry, per_tick = lax.scan(
         lambda c, t: _one_tick(window, c, t),
         initial_carry(window, static.shapes, first),
