@@ -1,4 +1,5 @@
-"""Zero-bubble's compiled temporaries against 1F1B's (issue 74).
+"""Zero-bubble's and interleaved 1F1B's compiled temporaries against
+1F1B's (issue 74).
 
 ``jaxaccum.pipeline_value_and_grad`` at S = 4 stages x data = 2 on the 8
 forced CPU devices, M = 2S, 4S, 8S micro-batches, every schedule running the
@@ -16,7 +17,9 @@ model's activations (one micro-batch's rows at its width), their ratio
 zero-bubble / 1F1B, zero-bubble's rings (residual and stored-boundary slots)
 and inboxes, and its modeled window against the asynchronous ZB-H1's
 ``3 M + S - 1``; and per (model, stage, remat) the flatness in M (M = 8S
-against M = 2S).
+against M = 2S). Interleaved 1F1B (``repeats=2``: 2S chunks of 1 or 2
+layers, without remat) against 1F1B on the same layers (S stages of twice
+the chunk's layers): its temporaries, their ratio, its flatness in M.
 
 Run: python benchmarks/pipeline_memory.py   (writes
 benchmarks/results/pipeline_memory.json; a few minutes)
@@ -70,11 +73,12 @@ def loss_fn(params, x, micro_batch):
     return jnp.mean((x @ params["w"] - micro_batch["y"]) ** 2)
 
 
-def model(name: str, layers: int, rows: int) -> tuple:
-    """Parameters ``(embed, stages, head)`` and a batch of ``rows``."""
+def model(name: str, layers: int, rows: int, repeats: int = 1) -> tuple:
+    """Parameters ``(embed, stages, head)`` (``S R`` stages of ``layers``
+    layers) and a batch of ``rows``."""
     width, hidden = MODELS[name]
     keys = jax.random.split(jax.random.key(0), 6)
-    shape = (STAGES, layers)
+    shape = (STAGES * repeats, layers)
     if hidden is None:
         stages = {
             "w": jax.random.orthogonal(keys[1], width, shape),
@@ -98,10 +102,12 @@ def model(name: str, layers: int, rows: int) -> tuple:
     return params, batch
 
 
-def temporaries(name: str, layers: int, num: int, schedule: str, remat: bool) -> float:
+def temporaries(
+    name: str, layers: int, num: int, schedule: str, remat: bool, repeats: int = 1
+) -> float:
     """The step's temporaries per device, in the model's activations."""
     mesh = jax.make_mesh((STAGES, DATA), ("stage", "data"))
-    params, batch = model(name, layers, ROWS * num * DATA)
+    params, batch = model(name, layers, ROWS * num * DATA, repeats)
     replicated, staged = NamedSharding(mesh, P()), NamedSharding(mesh, P("stage"))
     params = jax.device_put(params, (replicated, staged, replicated))
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -114,6 +120,7 @@ def temporaries(name: str, layers: int, num: int, schedule: str, remat: bool) ->
         data_axis="data",
         schedule=schedule,
         remat=remat,
+        repeats=repeats,
     )
     compiled = jax.jit(step).lower(params, batch).compile()
     activation = ROWS * MODELS[name][0] * 4
@@ -138,6 +145,18 @@ def row(name: str, layers: int, num: int, remat: bool) -> dict:
     }
 
 
+def interleaved_row(name: str, layers: int, num: int) -> dict:
+    """Interleaved 1F1B (``R = 2`` chunks of ``layers`` layers a device)
+    against 1F1B on the same layers (stages of ``2 layers``)."""
+    mine = temporaries(name, layers, num, "1f1b", False, repeats=2)
+    one = temporaries(name, 2 * layers, num, "1f1b", False)
+    return {
+        "interleaved_temp_activations": mine,
+        "one_f_one_b_temp_activations": one,
+        "ratio": mine / one,
+    }
+
+
 def main() -> None:
     rows, flat = {}, {}
     for name, layers, remat in itertools.product(MODELS, (1, 2), (False, True)):
@@ -151,6 +170,17 @@ def main() -> None:
             for f in (FACTORS[0], FACTORS[-1])
         )
         flat[config] = big / small
+    for name, layers in itertools.product(MODELS, (1, 2)):
+        config = f"interleaved_{name}_L{layers}"
+        for factor in FACTORS:
+            num = factor * STAGES
+            rows[f"{config}_M{num}"] = interleaved_row(name, layers, num)
+            print(config, num, rows[f"{config}_M{num}"], flush=True)
+        small, big = (
+            rows[f"{config}_M{f * STAGES}"]["interleaved_temp_activations"]
+            for f in (FACTORS[0], FACTORS[-1])
+        )
+        flat[config] = big / small
     write_json(
         "pipeline_memory",
         {
@@ -160,7 +190,7 @@ def main() -> None:
             "rows_per_microbatch_per_shard": ROWS,
             "models": {k: {"width": w, "hidden": h} for k, (w, h) in MODELS.items()},
             "rows": rows,
-            "zero_bubble_8s_over_2s": flat,
+            "8s_over_2s": flat,
         },
     )
 
