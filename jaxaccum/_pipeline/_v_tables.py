@@ -78,7 +78,7 @@ def greedy(stages: int, num: int, cap: int) -> np.ndarray:
     """``(3, S, T)``: per device and tick the op (-1 idle, 0 F, 1 B, 2 W),
     the micro-batch and the model stage of the greedy V schedule."""
     state = _State(stages, num)
-    columns = []
+    columns: list[np.ndarray] = []
     while (state.done[W] < num).any():
         tick = len(columns)
         if tick > 20 * num * stages + 100:
@@ -232,8 +232,18 @@ def v_tables(stages: int, num: int, cap: int | None = None) -> VTables:
         op=op,
         micro=np.maximum(micro, 0),
         chunk=chunk,
-        **tables,
-        **sizes,
+        ring=tables["ring"],
+        stored=tables["stored"],
+        x_slot=tables["x_slot"],
+        g_slot=tables["g_slot"],
+        x_down=tables["x_down"],
+        x_up=tables["x_up"],
+        g_down=tables["g_down"],
+        g_up=tables["g_up"],
+        ring_size=sizes["ring_size"],
+        stored_size=sizes["stored_size"],
+        inbox_size=sizes["inbox_size"],
+        back_size=sizes["back_size"],
         loop_ticks=int(np.flatnonzero(busy)[-1]) + 1,
     )
     for table in result[:11]:
