@@ -4,10 +4,27 @@ exactness against the sequential model on stage=2 x data=4 and stage=4 x
 data=2 at M = S, 2 S and 3; the compiled loop's collectives."""
 
 import sys
+from typing import Any
 
+import chex
 import jax
 from check_scripts import report
-from pipeline_checks import EXACT_BY_NAME, check_float64
+from pipeline_checks import (
+    BATCH,
+    EXACT_BY_NAME,
+    UNIT_ROUNDOFF,
+    Case,
+    activation_bytes,
+    check_float64,
+    compiled_run,
+    make_case,
+    pipelined,
+    reference,
+    tolerance,
+)
+
+from jaxaccum._pipeline._v_shape import VShape
+from jaxaccum._plan._hlo import find_collectives
 
 SCHEDULE = "v-zb"
 # (name, mesh shape, mesh axes, data axis, M, R): pipeline_checks' cases.
@@ -21,13 +38,59 @@ V_SHAPE = (
 )
 EXACT_BY_NAME.update({case[0]: case for case in V_SHAPE})
 
-CHECKS = [f"float64_{case[0]}" for case in V_SHAPE]
+CHECKS = [
+    *(f"float64_{case[0]}" for case in V_SHAPE),
+    "collectives_stage4_data2_M8_R2",
+    "collectives_stage2_data4_M3_R2",
+]
+
+
+def permutes(case: Case) -> tuple[Any, list]:
+    """The case's compiled step, its output, and its collectives."""
+    compiled, out = compiled_run(pipelined(case), *case.placed)
+    return out, find_collectives(compiled)
+
+
+def check_collectives(name: str) -> str:
+    """Float32, equal to the sequential model; in the loop exactly the four
+    collective-permutes (activations down and up, cotangents up and down),
+    one activation each, once a tick to the last F or B (the W-only ticks
+    after it are a loop without collectives); outside, interleaved 1F1B's
+    relayout of the same stages plus the V's mirror (one permute a stage
+    leaf in, one for its gradient out)."""
+    case = make_case(name, schedule=SCHEDULE)
+    out, found = permutes(case)
+    rtol = tolerance(UNIT_ROUNDOFF, layers=case.layers, batch=max(case.rows, BATCH))
+    chex.assert_trees_all_close(out, reference(case), rtol=rtol, atol=rtol)
+    in_loop = [c for c in found if c.in_loop]
+    assert [c.op for c in in_loop] == ["collective-permute"] * 4, in_loop
+    ticks = VShape(case.num_stages, case.num_microbatches, 2).loop_ticks
+    assert all(c.bytes == activation_bytes(case) for c in in_loop), in_loop
+    assert all(c.runs == ticks for c in in_loop), (in_loop, ticks)
+    _, interleaved = permutes(make_case(name, schedule="1f1b"))
+    leaves = len(jax.tree.leaves(case.params[1]))
+
+    def outside(found: list, op: str) -> int:
+        return sum(1 for c in found if c.op == op and not c.in_loop)
+
+    mirror = outside(found, "collective-permute")
+    base = outside(interleaved, "collective-permute")
+    assert mirror == base + 2 * leaves, (found, interleaved)
+    for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+        assert outside(found, op) == outside(interleaved, op), op
+    return (
+        f"loop: 4 collective-permutes x {activation_bytes(case)} B x {ticks} "
+        f"ticks; outside: {mirror} collective-permutes (interleaved 1F1B's "
+        f"{base} + 2 x {leaves} stage leaves), the rest as interleaved's"
+    )
 
 
 def run(name: str) -> str:
     """Runs check ``name`` (one of CHECKS)."""
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"), SCHEDULE)
+    if name.startswith("collectives_"):
+        return check_collectives(name.removeprefix("collectives_"))
     raise KeyError(name)
 
 
