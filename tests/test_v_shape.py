@@ -6,11 +6,15 @@ subprocess, ``v_shape_checks.py``."""
 import json
 import pathlib
 
+import chex
+import jax
 import numpy as np
 import pytest
+import test_pipeline as tp
 from check_scripts import run_script, selected_checks
 from v_shape_checks import CHECKS
 
+import jaxaccum
 from jaxaccum._pipeline._v_tables import B, F, W, device_of, op_ticks, v_tables
 
 RESULTS = (
@@ -113,3 +117,63 @@ def results(request) -> dict:
 @pytest.mark.parametrize("check", CHECKS)
 def test_v_shape_on_8_devices(results, check):
     assert results[check]["ok"], results[check]["detail"]
+
+
+@pytest.mark.parametrize(
+    ("reduction", "with_key", "stats", "by_size"),
+    [("mean", False, False, False), ("weighted", True, True, True)],
+)
+def test_one_device_options_against_the_window_reference(
+    reduction, with_key, stats, by_size
+):
+    """On one device (S = 1: both chunks on it, the V's tip and its loss
+    handed to itself): v-zb with keys (folded per model stage), a weighted
+    reduction with aux, report_stats and M given as a size equals
+    test_pipeline.py's micro-batch by micro-batch reference."""
+    params, batch = tp.one_device_case(2)
+    key = jax.random.key(3) if with_key else None
+    weighted = reduction == "weighted"
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    split = (
+        {"microbatch_size": rows // tp.NUM} if by_size else {"num_microbatches": tp.NUM}
+    )
+    step = jaxaccum.pipeline_value_and_grad(
+        tp.noisy_dense if with_key else tp.dense,
+        tp.weighted_mse if weighted else tp.mse,
+        **split,
+        mesh=tp.MESH,
+        embed_fn=tp.noisy_embed if with_key else tp.embed,
+        repeats=2,
+        reduction=reduction,
+        has_aux=weighted,
+        report_stats=stats,
+        schedule="v-zb",
+    )
+    out = jax.jit(step)(params, batch, key)
+    if stats:
+        out, window_stats = out
+        assert window_stats.microbatch_grad_sq_norm.shape == (tp.NUM,)
+        assert bool(window_stats.finite)
+    (value, aux), grads = tp.window_reference(params, batch, reduction, key, 2)
+    expected = ((value, aux), grads) if weighted else (value, grads)
+    chex.assert_trees_all_close(out, expected, rtol=tp.RTOL, atol=tp.RTOL)
+
+
+@pytest.mark.parametrize(("repeats", "remat"), [(1, False), (3, False), (2, True)])
+def test_what_v_zb_is_not_built_for_is_refused_with_why(repeats, remat):
+    """repeats other than 2 at construction, remat when the window is
+    built, each saying what is not built."""
+    params, batch = tp.one_device_case(repeats)
+    match = "remat is not built" if remat else "repeats=2 only"
+    with pytest.raises(ValueError, match=match):
+        step = jaxaccum.pipeline_value_and_grad(
+            tp.dense,
+            tp.mse,
+            tp.NUM,
+            mesh=tp.MESH,
+            embed_fn=tp.embed,
+            repeats=repeats,
+            remat=remat,
+            schedule="v-zb",
+        )
+        jax.jit(step)(params, batch)

@@ -61,8 +61,9 @@ class Schedule(abc.ABC):
         cls, num_stages: int, num_microbatches: int, repeats: int, remat: Any
     ) -> "Schedule":
         """The schedule of a window with ``remat`` (the same for every
-        ``remat`` unless a schedule says otherwise)."""
-        del remat
+        ``remat`` unless a schedule says otherwise; one it is not built for
+        refused by :meth:`check_remat`)."""
+        cls.check_remat(remat)
         return cls(num_stages, num_microbatches, repeats)
 
     @classmethod
@@ -70,6 +71,12 @@ class Schedule(abc.ABC):
         """Refuses a ``repeats`` the schedule is not built for, saying why
         (every ``repeats`` is, unless a schedule says otherwise)."""
         del repeats
+
+    @classmethod
+    def check_remat(cls, remat: Any) -> None:
+        """Refuses a ``remat`` the schedule is not built for, saying why
+        (every ``remat`` is, unless a schedule says otherwise)."""
+        del remat
 
     @classmethod
     def check_window(cls, num_stages: int, num_microbatches: int, repeats: int) -> None:

@@ -39,17 +39,14 @@ class VShape(OneFOneB):
     name: ClassVar[str] = "v-zb"
 
     @classmethod
-    def for_window(
-        cls, num_stages: int, num_microbatches: int, repeats: int, remat: Any
-    ) -> "VShape":
-        """The schedule of a window; remat is refused (not built)."""
+    def check_remat(cls, remat: Any) -> None:
+        """Refuses remat: not built."""
         if remat:
             raise ValueError(
                 "schedule='v-zb' with remat is not built: its tables assume "
                 "F = B = W and its B does not recompute the forward. Use "
                 "remat=False, or schedule='zero-bubble' or '1f1b' with remat."
             )
-        return cls(num_stages, num_microbatches, repeats)
 
     @classmethod
     def check_repeats(cls, repeats: int) -> None:
