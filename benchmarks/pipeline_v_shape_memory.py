@@ -43,7 +43,12 @@ STAGES, DATA, ROWS, INPUTS, WIDTH = 4, 2, 64, 4, 256
 LAYERS = (1, 2)  # layers of one chunk (half a device's)
 FACTORS = (2, 4)  # M = factor * S
 # schedule name: (repeats, chunks a stacked stage holds)
-SCHEDULES = {"v-zb": (2, 1), "1f1b": (1, 2), "zero-bubble": (1, 2), "interleaved": (2, 1)}
+SCHEDULES = {
+    "v-zb": (2, 1),
+    "1f1b": (1, 2),
+    "zero-bubble": (1, 2),
+    "interleaved": (2, 1),
+}
 
 
 def dense(params, x):
