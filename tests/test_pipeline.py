@@ -1689,7 +1689,7 @@ MALFORMED = {
     "remat": ({"remat": "yes"}, "remat must be True, False"),
     "schedule": (
         {"schedule": "1f2b"},
-        r"schedule must be one of \('gpipe', '1f1b', 'zero-bubble'\)",
+        r"schedule must be one of \('gpipe', '1f1b', 'zero-bubble', 'v-zb'\)",
     ),
     "memory_budget": ({"memory_budget": "lots"}, "Cannot read memory_budget='lots'"),
     "reduction": ({"reduction": "avg"}, "reduction must be one of"),

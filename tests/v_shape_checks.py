@@ -3,6 +3,8 @@ test_v_shape.py (the device count is fixed when JAX starts): float64
 exactness against the sequential model on stage=2 x data=4 and stage=4 x
 data=2 at M = S, 2 S and 3; the compiled loop's collectives."""
 
+import dataclasses
+import itertools
 import sys
 from typing import Any
 
@@ -13,14 +15,24 @@ from pipeline_checks import (
     BATCH,
     EXACT_BY_NAME,
     UNIT_ROUNDOFF,
+    WIDE,
+    WIDE_ROWS,
     Case,
     activation_bytes,
     check_float64,
+    check_loss_scale,
+    check_nan,
+    check_report_stats,
+    check_weighted_aux_keys,
     compiled_run,
     make_case,
+    nan_at_zero_stage,
     pipelined,
     reference,
+    stage_fn,
+    temp_bytes,
     tolerance,
+    wide_case,
 )
 
 from jaxaccum._pipeline._v_shape import VShape
@@ -42,6 +54,11 @@ CHECKS = [
     *(f"float64_{case[0]}" for case in V_SHAPE),
     "collectives_stage4_data2_M8_R2",
     "collectives_stage2_data4_M3_R2",
+    "nan_bubbles_skipped_and_masked",
+    "weighted_aux_keys",
+    "loss_scale",
+    "report_stats",
+    "memory_flat_in_M",
 ]
 
 
@@ -85,8 +102,50 @@ def check_collectives(name: str) -> str:
     )
 
 
+def check_v_nan() -> str:
+    """check_nan on v-zb: skipped F, B and W slots compute nothing; masked
+    ones compute on the fill or on a stale ring slot and are selected
+    away."""
+    details = []
+    for skip, fill, stage in (
+        (True, 0.0, nan_at_zero_stage),
+        (False, float("nan"), stage_fn),
+        (False, 0.0, nan_at_zero_stage),
+    ):
+        check_nan(fill, stage, "stage4_data2_M3_R2", SCHEDULE, skip)
+        poison = "NaN fill" if fill != 0 else "NaN-making stage"
+        details.append(f"{'skipped' if skip else 'masked'}, {poison}")
+    return ", ".join(details) + ": finite and exact"
+
+
+def check_memory() -> str:
+    """Temporaries per device (memory_analysis, in activations) of the wide
+    model's 2 S = 8 chunks on S = 4 devices: v-zb's flat in M (M = 4 S
+    within 2% of 2 S: its ring is at most 2 S chunk slots whatever M), and
+    against interleaved 1F1B's on the same stacked stages (reported)."""
+    stages, temps = 4, {}
+    for kind, num in itertools.product((SCHEDULE, "1f1b"), (2 * stages, 4 * stages)):
+        case = dataclasses.replace(wide_case(stages, num, 2), schedule=kind)
+        temps[kind, num] = temp_bytes(case) / (WIDE_ROWS * WIDE * 4)
+    small, big = temps[SCHEDULE, 2 * stages], temps[SCHEDULE, 4 * stages]
+    assert big <= 1.02 * small, temps
+    return ", ".join(
+        f"{'interleaved 1f1b' if k == '1f1b' else k} M={n}: {v:.1f}"
+        for (k, n), v in temps.items()
+    )
+
+
 def run(name: str) -> str:
     """Runs check ``name`` (one of CHECKS)."""
+    checks = {
+        "nan_bubbles_skipped_and_masked": check_v_nan,
+        "weighted_aux_keys": lambda: check_weighted_aux_keys(SCHEDULE, True),
+        "loss_scale": lambda: check_loss_scale("stage4_data2_M8_R2", SCHEDULE),
+        "report_stats": lambda: check_report_stats("stage4_data2_M8_R2", SCHEDULE),
+        "memory_flat_in_M": check_memory,
+    }
+    if name in checks:
+        return checks[name]()
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"), SCHEDULE)
     if name.startswith("collectives_"):

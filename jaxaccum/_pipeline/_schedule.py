@@ -86,6 +86,13 @@ class Schedule(abc.ABC):
         del num_stages, num_microbatches, repeats
 
     @property
+    def loss_device(self) -> int:
+        """The index on the stage axis of the device that takes the loss
+        (and holds the head): the last, ``-1``, unless a schedule says
+        otherwise."""
+        return -1
+
+    @property
     @abc.abstractmethod
     def num_ticks(self) -> int:
         """The loop's length."""

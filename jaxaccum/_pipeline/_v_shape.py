@@ -57,6 +57,11 @@ class VShape(OneFOneB):
                 "stages and pass repeats=2."
             )
 
+    @property
+    def loss_device(self) -> int:
+        """Device 0 takes the loss (the up chunk ends where the V began)."""
+        return 0
+
     def tables(self) -> VTables:
         """The schedule's :class:`~jaxaccum._pipeline._v_tables.VTables`."""
         return v_tables(self.num_stages, self.num_microbatches)
