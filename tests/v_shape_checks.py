@@ -1,7 +1,10 @@
 """schedule="v-zb" (repeats=2) on 8 CPU devices, run as a script by
 test_v_shape.py (the device count is fixed when JAX starts): float64
 exactness against the sequential model on stage=2 x data=4 and stage=4 x
-data=2 at M = S, 2 S and 3; the compiled loop's collectives."""
+data=2 at M = S, 2 S and 3, on stage=8 (16 model stages) and on stage=2 x
+fsdp=4 (FSDP stage parameters, gathered after the V's mirror); the
+compiled loop's collectives; NaN bubbles; weighted reduction, aux and keys;
+the loss scale; report_stats; temporaries flat in M."""
 
 import dataclasses
 import itertools
@@ -47,6 +50,8 @@ V_SHAPE = (
     ("stage4_data2_M4_R2", (4, 2), ("stage", "data"), "data", 4, 2),
     ("stage4_data2_M8_R2", (4, 2), ("stage", "data"), "data", 8, 2),
     ("stage4_data2_M3_R2", (4, 2), ("stage", "data"), "data", 3, 2),
+    ("stage8_M8_R2", (8,), ("stage",), None, 8, 2),
+    ("stage2_fsdp4_M4_R2", (2, 4), ("stage", "fsdp"), "fsdp", 4, 2),
 )
 EXACT_BY_NAME.update({case[0]: case for case in V_SHAPE})
 
@@ -54,6 +59,8 @@ CHECKS = [
     *(f"float64_{case[0]}" for case in V_SHAPE),
     "collectives_stage4_data2_M8_R2",
     "collectives_stage2_data4_M3_R2",
+    "collectives_stage8_M8_R2",
+    "collectives_stage2_fsdp4_M4_R2",
     "nan_bubbles_skipped_and_masked",
     "weighted_aux_keys",
     "loss_scale",
