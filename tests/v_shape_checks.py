@@ -14,6 +14,7 @@ from typing import Any
 import chex
 import jax
 from check_scripts import report
+from jax.sharding import AxisType
 from pipeline_checks import (
     BATCH,
     EXACT_BY_NAME,
@@ -26,9 +27,11 @@ from pipeline_checks import (
     check_loss_scale,
     check_nan,
     check_report_stats,
+    check_shardings,
     check_weighted_aux_keys,
     compiled_run,
     make_case,
+    max_error,
     nan_at_zero_stage,
     pipelined,
     reference,
@@ -66,6 +69,7 @@ CHECKS = [
     "loss_scale",
     "report_stats",
     "memory_flat_in_M",
+    "auto_mesh_stage4_data2_M4_R2",
 ]
 
 
@@ -142,6 +146,18 @@ def check_memory() -> str:
     )
 
 
+def check_auto_mesh(name: str) -> str:
+    """On an Auto mesh (the step cannot see the parameters' shardings):
+    equal to the sequential model, the gradients' stages over the stage
+    axis."""
+    case = make_case(name, axis_type=AxisType.Auto, schedule=SCHEDULE)
+    out = jax.jit(pipelined(case))(*case.placed)
+    rtol = tolerance(UNIT_ROUNDOFF, layers=case.layers, batch=max(case.rows, BATCH))
+    chex.assert_trees_all_close(out, reference(case), rtol=rtol, atol=rtol)
+    check_shardings(out[1], case.placed[0])
+    return f"max error {max_error(out, reference(case)):.2e} (tol {rtol:.1e})"
+
+
 def run(name: str) -> str:
     """Runs check ``name`` (one of CHECKS)."""
     checks = {
@@ -155,6 +171,8 @@ def run(name: str) -> str:
         return checks[name]()
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"), SCHEDULE)
+    if name.startswith("auto_mesh_"):
+        return check_auto_mesh(name.removeprefix("auto_mesh_"))
     if name.startswith("collectives_"):
         return check_collectives(name.removeprefix("collectives_"))
     raise KeyError(name)
