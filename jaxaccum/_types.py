@@ -43,7 +43,7 @@ AxisLayout = Literal["strided", "contiguous"]
 # the backend's fast kernel where that was measured to pay (CPU),
 # "canonical" everywhere, "traced" leaves them as JAX traced them.
 ConvLayout = Literal["auto", "canonical", "traced"]
-ScheduleName = Literal["gpipe", "1f1b", "zero-bubble"]
+ScheduleName = Literal["gpipe", "1f1b", "zero-bubble", "v-zb"]
 """A pipeline schedule's name: what :func:`jaxaccum.pipeline_value_and_grad`
 and :func:`jaxaccum.plan_pipeline` take as ``schedule=`` and what
 :class:`jaxaccum.PipelinePlan` chose (pass ``plan.schedule`` on). ``"1f1b"``

@@ -209,12 +209,30 @@ def _base_options(
 def _configs(remats: tuple, schedule: str | None, repeats: int) -> list[tuple]:
     """The ``(schedule, remat)`` pairs to plan, in the order searched: the
     given schedule, else every schedule built for ``repeats`` (GPipe, 1F1B,
-    zero-bubble), each with every one of ``remats``."""
+    zero-bubble, v-zb), each with every one of ``remats`` it is built for
+    (v-zb: no remat)."""
     if schedule:
         schedules: list[str] = [schedule]
     else:
         schedules = [name for name in SCHEDULES if builds(name, repeats)]
-    return [(kind, remat) for kind in schedules for remat in remats]
+    configs = [
+        (kind, remat)
+        for kind in schedules
+        for remat in remats
+        if _remat_builds(kind, repeats, remat)
+    ]
+    if not configs:  # the given schedule with none of remats: say why
+        schedule_type(schedules[0], repeats).check_remat(remats[-1])
+    return configs
+
+
+def _remat_builds(kind: str, repeats: int, remat: Any) -> bool:
+    """Whether ``schedule=kind`` is built for ``remat``."""
+    try:
+        schedule_type(kind, repeats).check_remat(remat)
+    except ValueError:
+        return False
+    return True
 
 
 def _search(

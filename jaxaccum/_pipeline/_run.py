@@ -110,7 +110,8 @@ class Raw(NamedTuple):
     Attributes:
       sums: the :class:`LossOut` summed over micro-batches and devices.
       per_micro: each device's per-micro-batch loss and weight,
-        ``(S, D, M)`` (the last stage's device's are the losses).
+        ``(S, D, M)`` (the losses are the schedule's ``loss_device``'s: the last
+        stage's device's, v-zb's first).
       grads: the gradient of the loss sum, ``(embed, stages, head)``, the
         stages in their ``(R, S, ...)`` layout, in the accumulation dtype.
       probes: with ``report_stats`` or ``report_finite``, the per-tick

@@ -61,8 +61,9 @@ class Schedule(abc.ABC):
         cls, num_stages: int, num_microbatches: int, repeats: int, remat: Any
     ) -> "Schedule":
         """The schedule of a window with ``remat`` (the same for every
-        ``remat`` unless a schedule says otherwise)."""
-        del remat
+        ``remat`` unless a schedule says otherwise; one it is not built for
+        refused by :meth:`check_remat`)."""
+        cls.check_remat(remat)
         return cls(num_stages, num_microbatches, repeats)
 
     @classmethod
@@ -72,11 +73,24 @@ class Schedule(abc.ABC):
         del repeats
 
     @classmethod
+    def check_remat(cls, remat: Any) -> None:
+        """Refuses a ``remat`` the schedule is not built for, saying why
+        (every ``remat`` is, unless a schedule says otherwise)."""
+        del remat
+
+    @classmethod
     def check_window(cls, num_stages: int, num_microbatches: int, repeats: int) -> None:
         """Refuses a window of ``M`` micro-batches the schedule cannot run on
         ``S`` stages with ``repeats``, saying why (every ``M`` runs, unless a
         schedule says otherwise)."""
         del num_stages, num_microbatches, repeats
+
+    @property
+    def loss_device(self) -> int:
+        """The index on the stage axis of the device that takes the loss
+        (and holds the head): the last, ``-1``, unless a schedule says
+        otherwise."""
+        return -1
 
     @property
     @abc.abstractmethod

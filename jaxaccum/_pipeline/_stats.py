@@ -38,10 +38,11 @@ def pipeline_stats(
     assert probes is not None
     carries = jnp.asarray(schedule.stage_gradient_table())[:, None]  # (S, 1, T, M)
     stage_sq = jnp.sum(jnp.where(carries, probes.stage[..., None], 0.0), (0, 2))
-    piece_sq = probes.embed[0] + stage_sq + probes.head[-1]
-    losses = per_micro.loss[-1]
+    last = schedule.loss_device  # the loss's device: its head probe too
+    piece_sq = probes.embed[0] + stage_sq + probes.head[last]
+    losses = per_micro.loss[last]
     if options.reduction == "weighted":
-        weight = per_micro.weight[-1].astype(jnp.float32)
+        weight = per_micro.weight[last].astype(jnp.float32)
     else:
         weight = jnp.full(piece_sq.shape, prepared.rows, jnp.float32)
     finite = jnp.isfinite(losses) & jnp.isfinite(piece_sq)

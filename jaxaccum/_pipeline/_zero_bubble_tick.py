@@ -129,11 +129,12 @@ class Halves(NamedTuple):
     handed: int
 
 
-def split_stage(device: Device) -> tuple[Halves, list]:
-    """The stage's backward split into B and W (traced on the fill; the
-    values are unused, dropped by XLA), and the boundary's values as
-    examples of what a stored slot holds."""
-    given = stage_given(device, 0)
+def split_stage(device: Device, given: Any = None) -> tuple[Halves, list]:
+    """The stage's backward split into B and W (traced on the fill and
+    ``given``, by default ``stage_given(device, 0)``; the values are unused,
+    dropped by XLA), and the boundary's values as examples of what a stored
+    slot holds."""
+    given = stage_given(device, 0) if given is None else given
     y, saved, pullback = forward(stage_call(device), given, device.fill)
     cotangent = full_cotangent(device.fill, floats(jax.tree.map(jnp.zeros_like, y)))
     leaves, tree = jax.tree.flatten((given, saved, cotangent))

@@ -1,0 +1,363 @@
+"""One device's V-shaped zero-bubble window (``_v_shape``), tick by tick on
+its tables (``_v_tables``): what arrived last tick put in the inboxes; then
+the one op the tables give it, of its down chunk (model stage ``d``, repeat
+0 of its stacked stages) or its up chunk (stage ``2 S - 1 - d``, repeat 1):
+an F (the chunk's stage on the inbox's activation, embedded on device 0's
+down chunk; its residuals to the ring; the loss after device 0's up chunk,
+its cotangent handed to itself), a B (zero-bubble's input half,
+``_zero_bubble_split``: the input's cotangent handed on, the boundary
+stored; the embedding's backward after device 0's down chunk) or a W (the
+weight half, accumulated at the chunk). Each tick's F output and B
+cotangent go both ways by four neighbour permutes (at the V's tip and for
+the loss, a device hands them to itself). Then the W's after the last F
+and B, without permutes."""
+
+from typing import Any, NamedTuple, Protocol, cast
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxaccum._pipeline._1f1b import initial_carry, make_window, window_results
+from jaxaccum._pipeline._1f1b_tick import (
+    Message,
+    RingTicks,
+    Window,
+    axes_of,
+    device_cond,
+    embed_backward,
+    floats,
+    forward,
+    full_cotangent,
+    loss_slot,
+    own_sq,
+    read_ring,
+    stage_call,
+    unshare,
+)
+from jaxaccum._pipeline._device import Device, Static, microbatch_key, select, varying
+from jaxaccum._pipeline._schedule import Tick
+from jaxaccum._pipeline._v_tables import VTables
+from jaxaccum._pipeline._zero_bubble_split import input_part, weight_part
+from jaxaccum._pipeline._zero_bubble_tick import Halves, split_stage
+from jaxaccum._types import Batch
+from jaxaccum._window._accum_dtypes import accum_dtype_for
+
+
+class VTicks(RingTicks, Protocol):
+    """What a V window reads of its schedule (a ``_v_shape.VShape``: the
+    protocol keeps this module below it)."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def loop_ticks(self) -> int: ...
+
+    @property
+    def num_ticks(self) -> int: ...
+
+    def tables(self) -> VTables: ...
+
+    def at(self, tick: Any, stage: Any) -> Tick: ...
+
+
+def _ticks_of(device: Device) -> VTicks:
+    return cast(VTicks, device.schedule)
+
+
+class Carry(NamedTuple):
+    """A device's scan carry.
+
+    Attributes:
+      arrivals: what was handed to it last tick: the activations from
+        below (``x_down``) and above (``x_up``), the cotangents (as
+        :class:`Message` s) from above (``g_down``) and below (``g_up``).
+      ring: per saved residual, its ``(K, ...)`` slots.
+      inbox: the activations waiting for their F, ``(I, ...)`` slots.
+      back: the :class:`Message` s waiting for their B.
+      stored: B's boundaries and shares waiting for their W.
+      grads: ``(embed, stages, head)`` gradients, the stages ``(2, ...)``.
+      sums: the loss sums so far.
+    """
+
+    arrivals: tuple
+    ring: list
+    inbox: Any
+    back: Message
+    stored: Message
+    grads: tuple
+    sums: Any
+
+
+def _row(device: Device, name: str, tick: Any) -> jax.Array:
+    """This device's entry of table ``name`` at ``tick``."""
+    table = getattr(_ticks_of(device).tables(), name)
+    return jnp.asarray(table)[device.stage, tick]
+
+
+def _given(device: Device, index: Any, chunk: Any) -> tuple:
+    """``(stage parameters, key)`` of micro-batch ``index`` at ``chunk``: its
+    ``(1, ...)`` slice of the device's two stages, the key of its model
+    stage (``d``, or ``2 S - 1 - d`` for the up chunk)."""
+    own = jax.tree.map(
+        lambda p: lax.dynamic_slice_in_dim(p, chunk, 1, 0), device.own_stages
+    )
+    last = 2 * device.schedule.num_stages - 1
+    layer = jnp.where(chunk == 0, device.stage, last - device.stage)
+    return own, microbatch_key(device, index, layer)
+
+
+def _write(slots: Any, value: Any, slot: Any) -> Any:
+    """``slots`` with ``value`` in ``slot`` where ``slot >= 0``."""
+
+    def put(s: jax.Array, v: jax.Array) -> jax.Array:
+        safe = jnp.maximum(slot, 0)
+        old = lax.dynamic_index_in_dim(s, safe, 0, keepdims=False)
+        return lax.dynamic_update_index_in_dim(s, jnp.where(slot >= 0, v, old), safe, 0)
+
+    return jax.tree.map(put, slots, value)
+
+
+def _read(slots: Any, slot: Any) -> Any:
+    return jax.tree.map(
+        lambda s: lax.dynamic_index_in_dim(s, slot, 0, keepdims=False), slots
+    )
+
+
+def _added_at(total: Any, grad: Any, factor: Any, chunk: Any) -> Any:
+    """``total[chunk] += grad[0] * factor`` leaf by leaf, in ``total``'s
+    dtypes."""
+
+    def add(t: jax.Array, g: jax.Array) -> jax.Array:
+        old = lax.dynamic_slice_in_dim(t, chunk, 1, 0)
+        new = old + (g.astype(t.dtype) * factor).astype(t.dtype)
+        return lax.dynamic_update_slice_in_dim(t, new, chunk, 0)
+
+    return jax.tree.map(add, total, grad)
+
+
+def _forward_slot(window: Window, ring: list, inbox: Any, tick: Tick, t: Any):
+    """The tick's F: the chunk's stage on the inbox's activation (embedded
+    where the micro-batch enters), its residuals to the ring's slot.
+    Returns the output and the ring."""
+    device = window.device
+    valid, micro, chunk = tick.valid, tick.microbatch, tick.repeat
+
+    def embed():
+        batch = device.batch.microbatch(micro)
+        key = microbatch_key(device, micro, 2 * device.schedule.num_stages)
+        return varying(device.calls.embed(device.embed, batch, key), axes_of(device))
+
+    entering = device_cond(device, tick.enters, embed, lambda: device.fill)
+    x = select(tick.enters, entering, _read(inbox, _row(device, "x_slot", t)))
+    x = select(valid, x, device.fill)
+    slot = _row(device, "ring", t)
+    old = read_ring(ring, slot)
+
+    def run(given, x):
+        y, saved, pullback = forward(stage_call(device), given, x)
+        window.pullback[:] = [pullback]
+        return y, saved
+
+    given = _given(device, micro, chunk)
+    if window.skip:
+        y, saved = device_cond(
+            device, valid, run, lambda *_: (device.fill, old), given, x
+        )
+    else:
+        y, saved = run(given, x)
+        saved = select(valid, saved, old)
+    ring = [
+        lax.dynamic_update_index_in_dim(r, s, slot, 0)
+        for r, s in zip(ring, saved, strict=True)
+    ]
+    return y, ring
+
+
+def _input_slot(window: Window, halves: Halves, carry: Carry, ring: list, t: Any):
+    """The tick's B: the chunk's input cotangent (B's half) from its ring
+    slot and the cotangent waiting in its inbox slot, its boundary stored;
+    after device 0's down chunk the embedding's backward. Returns the
+    embedding gradient, the message handed on, the stored boundaries and
+    the embedding's squared norm."""
+    device = window.device
+    valid = _row(device, "op", t) == 1
+    micro, chunk = _row(device, "micro", t), _row(device, "chunk", t)
+    saved = read_ring(ring, _row(device, "ring", t))
+    message = _read(carry.back, _row(device, "g_slot", t))
+    slot = _row(device, "stored", t)
+    old = _read(carry.stored, slot)
+
+    def run(saved, message, old):
+        given = _given(device, micro, chunk)
+        cotangent = full_cotangent(device.fill, message.cotangent)
+        args = jax.tree.leaves((given, saved, cotangent))
+        dx, boundary = input_part(halves.split, args)
+        dx = [jnp.where(valid, g, 0) for g in floats(dx)]
+        share = jnp.where(valid, message.share, 0)
+        return Message(dx, share), Message(boundary, message.share)
+
+    def idle(saved, message, old):
+        return Message(message.cotangent, jnp.zeros_like(message.share)), old
+
+    if window.skip:
+        back, kept = device_cond(device, valid, run, idle, saved, message, old)
+    else:
+        back, kept = run(saved, message, old)
+        kept = select(valid, kept, old)
+    stored = jax.tree.map(
+        lambda r, s: lax.dynamic_update_index_in_dim(r, s, slot, 0),
+        carry.stored,
+        kept,
+    )
+    first = valid & (chunk == 0)
+    embed_grad, embed_sq = embed_backward(window, carry.grads[0], back, micro, first)
+    return embed_grad, back, stored, embed_sq
+
+
+def _weight_slot(
+    window: Window, halves: Halves, stage_grad: Any, ring: list, stored: Message, t
+):
+    """The tick's W: the chunk's parameters' gradient (W's half, from its
+    residuals and its stored boundary), accumulated at the chunk at its
+    share. Returns the stage gradients and the squared norm."""
+    device = window.device
+    valid = _row(device, "op", t) == 2
+    micro, chunk = _row(device, "micro", t), _row(device, "chunk", t)
+    saved = read_ring(ring, _row(device, "ring", t))
+    boundary = _read(stored, _row(device, "stored", t))
+    zero = varying(jnp.zeros((), jnp.float32), axes_of(device))
+
+    def run(stage_grad, saved, boundary):
+        given = _given(device, micro, chunk)
+        args = [*jax.tree.leaves((given, saved)), *[None] * halves.handed]
+        weights = weight_part(halves.split, args, boundary.cotangent)
+        own_grad = jax.tree.unflatten(halves.own, weights[: halves.own.num_leaves])
+        accum = device.options.accum_dtype
+        grad = jax.tree.map(
+            lambda g: g.astype(accum_dtype_for(g.dtype, accum)), own_grad
+        )
+        share = boundary.share
+        sq = own_sq(window, grad, share) if window.probed else zero
+        grad = jax.tree.map(lambda g: jnp.where(valid, g, 0), grad)
+        return _added_at(stage_grad, grad, unshare(window, share), chunk), sq
+
+    def idle(stage_grad, *_):
+        return stage_grad, zero
+
+    if window.skip:
+        return device_cond(device, valid, run, idle, stage_grad, saved, boundary)
+    return run(stage_grad, saved, boundary)
+
+
+def _handed(device: Device, y: Any, dx: Message, loss: Message) -> tuple:
+    """The next tick's arrivals: this tick's F output and B cotangent sent
+    both ways by four permutes; at the tip (device ``S - 1``) its own F
+    output and B cotangent, on device 0 its loss's cotangent, kept."""
+    stages, stage = device.schedule.num_stages, device.stage
+    axis = device.options.layout.stage_axis
+    down = [(d, d + 1) for d in range(stages - 1)]
+    up = [(d + 1, d) for d in range(stages - 1)]
+    tip, first = stage == stages - 1, stage == 0
+    x_down = lax.ppermute(y, axis, down)
+    x_up = select(tip, y, lax.ppermute(y, axis, up))
+    g_down = select(tip, dx, lax.ppermute(dx, axis, up))
+    g_up = select(first, loss, lax.ppermute(dx, axis, down))
+    return x_down, x_up, g_down, g_up
+
+
+def _one_tick(window: Window, halves: Halves, carry: Carry, t: Any):
+    """One loop tick of one device: the arrivals put in the inboxes, its F,
+    B or W (each a ``lax.cond`` the tables switch on), the loss where
+    device 0's up chunk ran its F; what it made handed on."""
+    device = window.device
+    x_down, x_up, g_down, g_up = carry.arrivals
+    inbox = _write(carry.inbox, x_down, _row(device, "x_down", t))
+    inbox = _write(inbox, x_up, _row(device, "x_up", t))
+    back = _write(carry.back, g_down, _row(device, "g_down", t))
+    back = _write(back, g_up, _row(device, "g_up", t))
+    tick = _ticks_of(device).at(t, device.stage)
+    y, ring = _forward_slot(window, carry.ring, inbox, tick, t)
+    head_grad, sums, out, loss, head_sq = loss_slot(window, carry, y, tick)
+    carry = carry._replace(back=back, grads=(*carry.grads[:2], head_grad))
+    embed_grad, dx, stored, embed_sq = _input_slot(window, halves, carry, ring, t)
+    stage_grad, stage_sq = _weight_slot(window, halves, carry.grads[1], ring, stored, t)
+    arrivals = _handed(device, y, dx, loss)
+    grads = (embed_grad, stage_grad, head_grad)
+    per_tick = (out.loss, out.weight, embed_sq, stage_sq, head_sq)
+    return Carry(arrivals, ring, inbox, back, stored, grads, sums), per_tick
+
+
+def _appended_tick(window: Window, halves: Halves, carry: Carry, t: Any):
+    """One tick after the last F and B: its W only."""
+    embed, stage_grad, head = carry.grads
+    stage_grad, stage_sq = _weight_slot(
+        window, halves, stage_grad, carry.ring, carry.stored, t
+    )
+    return carry._replace(grads=(embed, stage_grad, head)), stage_sq
+
+
+def _initial(window: Window, static: Static, boundary: list) -> Carry:
+    """The carry before the first tick: nothing arrived, empty ring,
+    inboxes and stored boundaries (the tables' sizes), zero sums."""
+    device = window.device
+    tables = _ticks_of(device).tables()
+    one = initial_carry(window, static.shapes, _given(device, 0, 0))
+
+    def slots(count: int, like: Any) -> Any:
+        return jax.tree.map(lambda x: jnp.zeros((count, *x.shape), x.dtype), like)
+
+    stored = Message(
+        [jnp.zeros((tables.stored_size, *x.shape), x.dtype) for x in boundary],
+        jnp.zeros((tables.stored_size,), window.share_dtype),
+    )
+    inbox = slots(tables.inbox_size, one.incoming)
+    back = slots(tables.back_size, one.back)
+    arrivals = (one.incoming, one.incoming, one.back, one.back)
+    stored, inbox, back = varying((stored, inbox, back), axes_of(device))
+    return Carry(arrivals, one.ring, inbox, back, stored, one.grads, one.sums)
+
+
+def _mirrored(stages: Any, axis: str, num_stages: int) -> Any:
+    """Each stacked ``(2, ...)`` leaf with its second row from device ``S -
+    1 - d`` (one permute): the interleaved layout's stages ``d`` and ``S +
+    d`` become the V's ``d`` and ``2 S - 1 - d``, and back (its own
+    inverse)."""
+    pairs = [(d, num_stages - 1 - d) for d in range(num_stages)]
+    return jax.tree.map(
+        lambda p: jnp.concatenate([p[:1], lax.ppermute(p[1:], axis, pairs)]), stages
+    )
+
+
+def run_window(
+    static: Static, skip: bool, params: tuple, batch: Batch, key: Any, loss_scale: Any
+):
+    """One device's V window under ``shard_map``; returns what the 1F1B
+    window's ``run_window`` does (the stage probes per tick, the W-only
+    ticks' included)."""
+    options, schedule = static.options, cast(VTicks, static.schedule)
+    embed, stages, head = params
+    stages = _mirrored(stages, options.layout.stage_axis, schedule.num_stages)
+    window = make_window(static, skip, (embed, stages, head), batch, key, loss_scale)
+    halves, boundary = split_stage(window.device, _given(window.device, 0, 0))
+    carry, (loss, weight, embed_sq, stage_sq, head_sq) = lax.scan(
+        lambda c, t: _one_tick(window, halves, c, t),
+        _initial(window, static, boundary),
+        jnp.arange(schedule.loop_ticks),
+        unroll=options.unroll,
+    )
+    if schedule.num_ticks > schedule.loop_ticks:
+        carry, appended_sq = lax.scan(
+            lambda c, t: _appended_tick(window, halves, c, t),
+            carry,
+            jnp.arange(schedule.loop_ticks, schedule.num_ticks),
+            unroll=options.unroll,
+        )
+        stage_sq = jnp.concatenate([stage_sq, appended_sq])
+    per_tick = (loss, weight, embed_sq, stage_sq, head_sq)
+    sums, per_micro, grads, probes = window_results(
+        carry, per_tick, schedule, static.fsdp_dims, options
+    )
+    mirrored = _mirrored(grads[1], options.layout.stage_axis, schedule.num_stages)
+    return sums, per_micro, (grads[0], mirrored, grads[2]), probes
