@@ -139,11 +139,9 @@ def pipeline_value_and_grad(
       stage_axis: the mesh axis of size ``S`` the stages are placed on.
       data_axis: a mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular GPipe, interleaved 1F1B).
-      schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"`` (memory linear
-        in ``M``), ``"1f1b"`` (flat in ``M``; interleaved 1F1B with ``R > 1``)
-        , ``"zero-bubble"`` (``repeats=1`` only) or ``"v-zb"`` (the V-shaped
-        zero-bubble, ``repeats=2``, no remat: device ``d`` holds stages ``d``
-        and ``2 S - 1 - d``); the guide compares them.
+      schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"``, ``"1f1b"``
+        (interleaved with ``R > 1``), ``"zero-bubble"`` (``repeats=1`` only)
+        or ``"v-zb"`` (V-shaped, ``repeats=2``); the guide compares them.
       **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:
