@@ -26,9 +26,7 @@ from jaxaccum._pipeline._1f1b_tick import (
     axes_of,
     device_cond,
     embed_backward,
-    floats,
     forward,
-    full_cotangent,
     loss_slot,
     own_sq,
     read_ring,
@@ -38,8 +36,8 @@ from jaxaccum._pipeline._1f1b_tick import (
 from jaxaccum._pipeline._device import Device, Static, microbatch_key, select, varying
 from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._pipeline._v_tables import VTables
-from jaxaccum._pipeline._zero_bubble_split import input_part, weight_part
-from jaxaccum._pipeline._zero_bubble_tick import Halves, split_stage
+from jaxaccum._pipeline._zero_bubble_split import weight_part
+from jaxaccum._pipeline._zero_bubble_tick import Halves, input_half, split_stage
 from jaxaccum._types import Batch
 from jaxaccum._window._accum_dtypes import accum_dtype_for
 
@@ -186,30 +184,13 @@ def _input_slot(window: Window, halves: Halves, carry: Carry, ring: list, t: Any
     micro, chunk = _row(device, "micro", t), _row(device, "chunk", t)
     saved = read_ring(ring, _row(device, "ring", t))
     message = _read(carry.back, _row(device, "g_slot", t))
-    slot = _row(device, "stored", t)
-    old = _read(carry.stored, slot)
-
-    def run(saved, message, old):
-        given = _given(device, micro, chunk)
-        cotangent = full_cotangent(device.fill, message.cotangent)
-        args = jax.tree.leaves((given, saved, cotangent))
-        dx, boundary = input_part(halves.split, args)
-        dx = [jnp.where(valid, g, 0) for g in floats(dx)]
-        share = jnp.where(valid, message.share, 0)
-        return Message(dx, share), Message(boundary, message.share)
-
-    def idle(saved, message, old):
-        return Message(message.cotangent, jnp.zeros_like(message.share)), old
-
-    if window.skip:
-        back, kept = device_cond(device, valid, run, idle, saved, message, old)
-    else:
-        back, kept = run(saved, message, old)
-        kept = select(valid, kept, old)
-    stored = jax.tree.map(
-        lambda r, s: lax.dynamic_update_index_in_dim(r, s, slot, 0),
-        carry.stored,
-        kept,
+    back, stored = input_half(
+        window,
+        halves,
+        lambda: _given(device, micro, chunk),
+        valid,
+        (saved, message),
+        (carry.stored, _row(device, "stored", t)),
     )
     first = valid & (chunk == 0)
     embed_grad, embed_sq = embed_backward(window, carry.grads[0], back, micro, first)

@@ -8,6 +8,7 @@ stored); the W slot (W's half: the stage parameters' gradient from both
 rings); the neighbour permutes. Then the W slots of the ticks after the
 last F and B."""
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
 import jax
@@ -162,16 +163,42 @@ def _input_slot(
     schedule = _ticks_of(device)
     valid, index = schedule.backward_at(t, device.stage)
     saved = read_ring(ring, index % schedule.ring_size)
-    slot = index % schedule.stored_size
+    back, stored = input_half(
+        window,
+        halves,
+        lambda: stage_given(device, index),
+        valid,
+        (saved, message),
+        (carry.stored, index % schedule.stored_size),
+    )
+    embed_grad, embed_sq = embed_backward(window, carry.grads[0], back, index, valid)
+    return embed_grad, back, stored, embed_sq
+
+
+def input_half(
+    window: Window,
+    halves: Halves,
+    given: Callable[[], Any],
+    valid: Any,
+    read: tuple[list, Message],
+    stored_at: tuple[Message, Any],
+) -> tuple[Message, Message]:
+    """B's half of a stage's backward where ``valid``: from the stage's
+    ``given()`` (its parameters and key), the residuals and the message
+    ``read`` holds, the input's cotangent handed on (zero share where not
+    valid) and the boundary stored, with the share, in slot ``slot`` of
+    ``stored`` (``stored_at``). Returns the message and the stored slots."""
+    device = window.device
+    saved, message = read
+    stored, slot = stored_at
     old = Message(
-        read_ring(carry.stored.cotangent, slot),
-        lax.dynamic_index_in_dim(carry.stored.share, slot, 0, keepdims=False),
+        read_ring(stored.cotangent, slot),
+        lax.dynamic_index_in_dim(stored.share, slot, 0, keepdims=False),
     )
 
     def run(saved, message, old):
-        given = stage_given(device, index)
         cotangent = full_cotangent(device.fill, message.cotangent)
-        args = jax.tree.leaves((given, saved, cotangent))
+        args = jax.tree.leaves((given(), saved, cotangent))
         dx, boundary = input_part(halves.split, args)
         dx = [jnp.where(valid, g, 0) for g in floats(dx)]
         share = jnp.where(valid, message.share, 0)
@@ -186,12 +213,9 @@ def _input_slot(
         back, kept = run(saved, message, old)
         kept = select(valid, kept, old)
     stored = jax.tree.map(
-        lambda r, s: lax.dynamic_update_index_in_dim(r, s, slot, 0),
-        carry.stored,
-        kept,
+        lambda r, s: lax.dynamic_update_index_in_dim(r, s, slot, 0), stored, kept
     )
-    embed_grad, embed_sq = embed_backward(window, carry.grads[0], back, index, valid)
-    return embed_grad, back, stored, embed_sq
+    return back, stored
 
 
 def _weight_slot(
