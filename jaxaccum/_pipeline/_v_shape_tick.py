@@ -12,6 +12,7 @@ cotangent go both ways by four neighbour permutes (at the V's tip and for
 the loss, a device hands them to itself). Then the W's after the last F
 and B, without permutes."""
 
+import functools
 from typing import Any, NamedTuple, Protocol, cast
 
 import jax
@@ -37,7 +38,12 @@ from jaxaccum._pipeline._device import Device, Static, microbatch_key, select, v
 from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._pipeline._v_tables import VTables
 from jaxaccum._pipeline._zero_bubble_split import weight_part
-from jaxaccum._pipeline._zero_bubble_tick import Halves, input_half, split_stage
+from jaxaccum._pipeline._zero_bubble_tick import (
+    Halves,
+    input_half,
+    loops,
+    split_stage,
+)
 from jaxaccum._types import Batch
 from jaxaccum._window._accum_dtypes import accum_dtype_for
 
@@ -322,21 +328,13 @@ def run_window(
     stages = _mirrored(stages, options.layout.stage_axis, schedule.num_stages)
     window = make_window(static, skip, (embed, stages, head), batch, key, loss_scale)
     halves, boundary = split_stage(window.device, _given(window.device, 0, 0))
-    carry, (loss, weight, embed_sq, stage_sq, head_sq) = lax.scan(
-        lambda c, t: _one_tick(window, halves, c, t),
+    carry, per_tick = loops(
+        functools.partial(_one_tick, window, halves),
+        functools.partial(_appended_tick, window, halves),
         _initial(window, static, boundary),
-        jnp.arange(schedule.loop_ticks),
-        unroll=options.unroll,
+        schedule,
+        options.unroll,
     )
-    if schedule.num_ticks > schedule.loop_ticks:
-        carry, appended_sq = lax.scan(
-            lambda c, t: _appended_tick(window, halves, c, t),
-            carry,
-            jnp.arange(schedule.loop_ticks, schedule.num_ticks),
-            unroll=options.unroll,
-        )
-        stage_sq = jnp.concatenate([stage_sq, appended_sq])
-    per_tick = (loss, weight, embed_sq, stage_sq, head_sq)
     sums, per_micro, grads, probes = window_results(
         carry, per_tick, schedule, static.fsdp_dims, options
     )

@@ -8,6 +8,7 @@ stored); the W slot (W's half: the stage parameters' gradient from both
 rings); the neighbour permutes. Then the W slots of the ticks after the
 last F and B."""
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -372,19 +373,37 @@ def run_window(
     window = make_window(static, skip, params, batch, key, loss_scale)
     device = window.device
     halves, boundary = split_stage(device)
-    carry, (loss, weight, embed_sq, stage_sq, head_sq) = lax.scan(
-        lambda c, t: _one_tick(window, halves, c, t),
+    carry, per_tick = loops(
+        functools.partial(_one_tick, window, halves),
+        functools.partial(_appended_tick, window, halves),
         _initial(window, static.shapes, boundary),
-        jnp.arange(schedule.loop_ticks),
-        unroll=options.unroll,
+        schedule,
+        options.unroll,
+    )
+    return window_results(carry, per_tick, schedule, static.fsdp_dims, options)
+
+
+def loops(
+    one_tick: Callable[[Any, Any], Any],
+    appended_tick: Callable[[Any, Any], Any],
+    carry: Any,
+    schedule: Any,
+    unroll: Any,
+) -> tuple[Any, tuple]:
+    """A split-backward window's two loops: ``one_tick`` over the ticks up
+    to the last F and B (``schedule.loop_ticks``), then ``appended_tick``
+    (W slots only, no permutes) to ``schedule.num_ticks``. Returns the carry
+    and the per-tick ``(loss, weight, embed_sq, stage_sq, head_sq)``, the
+    stage's squared norms of every tick."""
+    carry, (loss, weight, embed_sq, stage_sq, head_sq) = lax.scan(
+        one_tick, carry, jnp.arange(schedule.loop_ticks), unroll=unroll
     )
     if schedule.num_ticks > schedule.loop_ticks:
         carry, appended_sq = lax.scan(
-            lambda c, t: _appended_tick(window, halves, c, t),
+            appended_tick,
             carry,
             jnp.arange(schedule.loop_ticks, schedule.num_ticks),
-            unroll=options.unroll,
+            unroll=unroll,
         )
         stage_sq = jnp.concatenate([stage_sq, appended_sq])
-    per_tick = (loss, weight, embed_sq, stage_sq, head_sq)
-    return window_results(carry, per_tick, schedule, static.fsdp_dims, options)
+    return carry, (loss, weight, embed_sq, stage_sq, head_sq)
