@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from pipeline_checks import (
     BATCH,
     INTERLEAVED,
+    NAN_CASES,
     ROWS,
     UNIT_ROUNDOFF,
     WIDE,
@@ -26,7 +27,7 @@ from pipeline_checks import (
     check_exact,
     check_float64,
     check_loss_scale,
-    check_nan,
+    check_nan_cases,
     check_report_stats,
     check_sum_reduction,
     check_weighted_aux_keys,
@@ -34,12 +35,10 @@ from pipeline_checks import (
     make_batch,
     make_params,
     max_error,
-    nan_at_zero_stage,
     pipelined,
     program_flops,
     reference,
     sequential_flops,
-    stage_fn,
     tolerance,
     wide_case,
     wide_temps,
@@ -77,15 +76,7 @@ def check_interleaved_nan():
     """check_nan with M = 7 (a padded group): skipped slots compute nothing;
     masked ones compute on the NaN fill or a stale ring slot, selected
     away."""
-    details = []
-    for skip, fill, stage in (
-        (True, 0.0, nan_at_zero_stage),
-        (False, float("nan"), stage_fn),
-    ):
-        check_nan(fill, stage, "stage4_data2_M7_R2", SCHEDULE, skip)
-        poison = "NaN fill" if fill != 0 else "NaN-making stage"
-        details.append(f"{'skipped' if skip else 'masked'}, {poison}")
-    return ", ".join(details) + ": finite and exact"
+    return check_nan_cases("stage4_data2_M7_R2", SCHEDULE, NAN_CASES[:2])
 
 
 DRAWN = ("stage8_M8_R2", "stage4_data2_M4_R2", "stage4_data2_M7_R2")

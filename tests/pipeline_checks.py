@@ -499,6 +499,27 @@ def check_nan(fill, stage, name="stage4_data2_M8_R2", schedule="gpipe", skip=Tru
 EMBED_KEY, HEAD_KEY = "embed", "head"  # see pipeline_value_and_grad's Returns
 
 
+# The poisons a window's NaN check feeds: a skipped slot on a stage that
+# makes NaN from zeros, a masked slot on a NaN fill, a masked slot on that
+# stage.
+NAN_CASES = (
+    (True, 0.0, nan_at_zero_stage),
+    (False, float("nan"), stage_fn),
+    (False, 0.0, nan_at_zero_stage),
+)
+
+
+def check_nan_cases(name: str, schedule: str, cases=NAN_CASES) -> str:
+    """:func:`check_nan` on layout ``name`` under ``schedule`` for each
+    ``(skip, fill, stage)`` of ``cases``; what was fed, for the report."""
+    details = []
+    for skip, fill, stage in cases:
+        check_nan(fill, stage, name, schedule, skip)
+        poison = "NaN fill" if fill != 0 else "NaN-making stage"
+        details.append(f"{'skipped' if skip else 'masked'}, {poison}")
+    return ", ".join(details) + ": finite and exact"
+
+
 def weighted_loss(params, x, micro_batch, key):
     per_row = jnp.sum((x @ params["w"] - micro_batch["y"]) ** 2, -1)
     weight = micro_batch["weight"] * (1 + jax.random.uniform(key, per_row.shape))
@@ -1102,16 +1123,7 @@ def check_one_f_one_b_nan():
     """check_nan on 1F1B: a skipped bubble slot computes nothing (the stage
     that makes NaN of the fill stands for both poisons); a masked one
     computes on the fill, NaN or made NaN, and is selected away."""
-    details = []
-    for skip, fill, stage in (
-        (True, 0.0, nan_at_zero_stage),
-        (False, float("nan"), stage_fn),
-        (False, 0.0, nan_at_zero_stage),
-    ):
-        check_nan(fill, stage, "stage4_data2_M7", "1f1b", skip)
-        poison = "NaN fill" if fill != 0 else "NaN-making stage"
-        details.append(f"{'skipped' if skip else 'masked'}, {poison}")
-    return ", ".join(details) + ": finite and exact"
+    return check_nan_cases("stage4_data2_M7", "1f1b")
 
 
 def temp_bytes(case, **options):

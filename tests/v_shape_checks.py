@@ -25,17 +25,15 @@ from pipeline_checks import (
     activation_bytes,
     check_float64,
     check_loss_scale,
-    check_nan,
+    check_nan_cases,
     check_report_stats,
     check_shardings,
     check_weighted_aux_keys,
     compiled_run,
     make_case,
     max_error,
-    nan_at_zero_stage,
     pipelined,
     reference,
-    stage_fn,
     temp_bytes,
     tolerance,
     wide_case,
@@ -117,16 +115,7 @@ def check_v_nan() -> str:
     """check_nan on v-zb: skipped F, B and W slots compute nothing; masked
     ones compute on the fill or on a stale ring slot and are selected
     away."""
-    details = []
-    for skip, fill, stage in (
-        (True, 0.0, nan_at_zero_stage),
-        (False, float("nan"), stage_fn),
-        (False, 0.0, nan_at_zero_stage),
-    ):
-        check_nan(fill, stage, "stage4_data2_M3_R2", SCHEDULE, skip)
-        poison = "NaN fill" if fill != 0 else "NaN-making stage"
-        details.append(f"{'skipped' if skip else 'masked'}, {poison}")
-    return ", ".join(details) + ": finite and exact"
+    return check_nan_cases("stage4_data2_M3_R2", SCHEDULE)
 
 
 def check_memory() -> str:

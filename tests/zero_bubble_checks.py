@@ -20,12 +20,11 @@ from pipeline_checks import (
     check_exact,
     check_float64,
     check_loss_scale,
-    check_nan,
+    check_nan_cases,
     check_report_stats,
     check_sum_reduction,
     check_weighted_aux_keys,
     compile_to_read,
-    nan_at_zero_stage,
     normal,
     program_flops,
     stage_fn,
@@ -70,16 +69,7 @@ def check_zero_bubble_nan():
     """check_nan on zero-bubble: skipped B and W slots compute nothing;
     masked ones compute on the fill or on a stale ring slot and are
     selected away."""
-    details = []
-    for skip, fill, stage in (
-        (True, 0.0, nan_at_zero_stage),
-        (False, float("nan"), stage_fn),
-        (False, 0.0, nan_at_zero_stage),
-    ):
-        check_nan(fill, stage, "stage4_data2_M7", SCHEDULE, skip)
-        poison = "NaN fill" if fill != 0 else "NaN-making stage"
-        details.append(f"{'skipped' if skip else 'masked'}, {poison}")
-    return ", ".join(details) + ": finite and exact"
+    return check_nan_cases("stage4_data2_M7", SCHEDULE)
 
 
 DRAWN = ("stage8_M7", "stage4_data2_M4", "stage4_data2_M16", "stage2_fsdp4_M3")
