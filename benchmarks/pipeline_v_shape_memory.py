@@ -1,11 +1,11 @@
-"""V-ZB's compiled temporaries against 1F1B's, zero-bubble's and
+"""V-ZB's and V-Half's compiled temporaries against 1F1B's, zero-bubble's and
 interleaved 1F1B's (issue 74, item 3), every schedule running the same
 layers on the same devices.
 
 ``jaxaccum.pipeline_value_and_grad`` at S = 4 stages x data = 2 on the 8
 forced CPU devices, M = 2S, 4S micro-batches, no remat, on
 ``pipeline_memory.py``'s dense model (tanh layers 256 wide): ``2 S`` chunks
-of ``L`` layers each. ``schedule="v-zb"`` and interleaved ``"1f1b"`` with
+of ``L`` layers each. ``schedule="v-zb"``, ``"v-half"`` and interleaved ``"1f1b"`` with
 ``repeats=2`` stack the ``2 S`` chunks (device ``d`` holds two); ``"1f1b"``
 and ``"zero-bubble"`` with ``repeats=1`` stack ``S`` stages of ``2 L``
 layers (the same two chunks' layers on each device, so the same model).
@@ -14,7 +14,7 @@ Per configuration each schedule's temporaries per device
 (``memory_analysis().temp_size_in_bytes``, compiled at backend
 optimisation level 0: the HLO passes that decide them are the same; nothing
 is timed), in activations (one micro-batch's rows at the width), and
-v-zb's slots (residual ring, stored boundaries, inboxes, in chunk
+each V's slots (residual ring, stored boundaries, inboxes, in chunk
 activations) and modeled window (in whole stages' forward, a chunk op half
 of one) against 1F1B's ``3 (M + S - 1)``.
 
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
 from jaxaccum._pipeline._1f1b import OneFOneB  # noqa: E402
-from jaxaccum._pipeline._v_shape import VShape  # noqa: E402
+from jaxaccum._pipeline._v_shape import VHalf, VShape  # noqa: E402
 
 STAGES, DATA, ROWS, INPUTS, WIDTH = 4, 2, 64, 4, 256
 LAYERS = (1, 2)  # layers of one chunk (half a device's)
@@ -45,6 +45,7 @@ FACTORS = (2, 4)  # M = factor * S
 # schedule name: (repeats, chunks a stacked stage holds)
 SCHEDULES = {
     "v-zb": (2, 1),
+    "v-half": (2, 1),
     "1f1b": (1, 2),
     "zero-bubble": (1, 2),
     "interleaved": (2, 1),
@@ -115,19 +116,21 @@ def main() -> None:
         for factor in FACTORS:
             num = factor * STAGES
             temps = {kind: temporaries(kind, layers, num) for kind in SCHEDULES}
-            tables = VShape(STAGES, num, 2).tables()
-            row = {
+            row: dict = {
                 "temp_activations": temps,
-                "v_zb_over_1f1b": temps["v-zb"] / temps["1f1b"],
-                "v_zb_slots_chunk_activations": {
+                "one_f_one_b_window_stages": OneFOneB(STAGES, num).modeled_window(),
+            }
+            for name, cls in (("v_zb", VShape), ("v_half", VHalf)):
+                schedule = cls(STAGES, num, 2)
+                tables = schedule.tables()
+                row[f"{name}_over_1f1b"] = temps[cls.name] / temps["1f1b"]
+                row[f"{name}_slots_chunk_activations"] = {
                     "ring": tables.ring_size,
                     "stored": tables.stored_size,
                     "inbox": tables.inbox_size,
                     "back_inbox": tables.back_size,
-                },
-                "v_zb_window_stages": VShape(STAGES, num, 2).modeled_window() / 2,
-                "one_f_one_b_window_stages": OneFOneB(STAGES, num).modeled_window(),
-            }
+                }
+                row[f"{name}_window_stages"] = schedule.modeled_window() / 2
             rows[f"L{layers}_M{num}"] = row
             print(f"chunk layers {layers} M={num}:", row, flush=True)
     write_json(

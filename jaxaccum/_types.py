@@ -43,12 +43,12 @@ AxisLayout = Literal["strided", "contiguous"]
 # the backend's fast kernel where that was measured to pay (CPU),
 # "canonical" everywhere, "traced" leaves them as JAX traced them.
 ConvLayout = Literal["auto", "canonical", "traced"]
-ScheduleName = Literal["gpipe", "1f1b", "zero-bubble", "v-zb"]
+ScheduleName = Literal["gpipe", "1f1b", "zero-bubble", "v-zb", "v-half"]
 """A pipeline schedule's name: what :func:`jaxaccum.pipeline_value_and_grad`
 and :func:`jaxaccum.plan_pipeline` take as ``schedule=`` and what
 :class:`jaxaccum.PipelinePlan` chose (pass ``plan.schedule`` on). ``"1f1b"``
 with ``repeats > 1`` is interleaved 1F1B; ``"v-zb"`` is the V-shaped
-zero-bubble (``repeats=2``). Guide:
+zero-bubble and ``"v-half"`` the V at less memory (``repeats=2``). Guide:
 [Pipeline parallelism](../guides/pipeline.md)."""
 ArgNums = int | Sequence[int]
 # ``True`` (or ``False``/``None``) or a ``jax.checkpoint`` policy.

@@ -195,17 +195,18 @@ def window_reference(params, batch, reduction, key=None, layers=1):
     remat=st.sampled_from([False, True, jax.checkpoint_policies.dots_saveable]),
     stats=st.booleans(),
     by_size=st.booleans(),
-    schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble"]),
+    schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble", "v-zb", "v-half"]),
 )
 def test_options_against_the_window_reference(
     repeats, reduction, with_key, remat, stats, by_size, schedule
 ):
     """Every combination of repeats, reduction (with aux), keys, remat,
     report_stats, M given as a count or a size and the schedule (1F1B, at
-    R = 2 interleaved; zero-bubble at R = 1) equals the micro-batch by
-    micro-batch reference (RTOL of pipeline_checks.py: the same sums in
-    another order)."""
+    R = 2 interleaved; zero-bubble at R = 1; the V's at R = 2 without remat)
+    equals the micro-batch by micro-batch reference (RTOL of
+    pipeline_checks.py: the same sums in another order)."""
     assume(schedule != "zero-bubble" or repeats == 1)
+    assume(not schedule.startswith("v-") or (repeats == 2 and not remat))
     params, batch = one_device_case(repeats)
     key = jax.random.key(3) if with_key else None
     weighted = reduction == "weighted"
@@ -1413,7 +1414,7 @@ PIPELINE_CHOICES = {
     "report": [None, "report_stats", "report_finite"],
     "scale_exponent": [None, 0, 64, 80],
     "repeats": [1, 2],
-    "schedule": ["gpipe", "1f1b", "zero-bubble"],
+    "schedule": ["gpipe", "1f1b", "zero-bubble", "v-zb", "v-half"],
     "loss_dtype": [jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_],
 }
 PIPELINE_OPTIONS = {name: st.sampled_from(v) for name, v in PIPELINE_CHOICES.items()}
@@ -1484,6 +1485,16 @@ EXAMPLE = {  # every option at its first value, then each issue-45 case
 @example(
     **{**EXAMPLE, "loss_dtype": jnp.bfloat16, "reduction": "weighted", "repeats": 2}
 )
+@example(
+    **{
+        **EXAMPLE,
+        "schedule": "v-half",
+        "repeats": 2,
+        "reduction": "weighted",
+        "report": "report_stats",
+        "scale_exponent": 64,
+    }
+)
 def test_pipeline_options_drawn_against_the_sequential_model(
     reduction,
     weight_dtype,
@@ -1500,6 +1511,7 @@ def test_pipeline_options_drawn_against_the_sequential_model(
     loss_dtype,
 ):
     assume(schedule != "zero-bubble" or repeats == 1)  # 1F1B: R = 1 (refused else)
+    assume(not schedule.startswith("v-") or repeats == 2)  # the V: R = 2
     params = make_params(repeats)
     batch = counted_batch(weight_dtype)
     batch = {**batch, "keep": jnp.arange(4 * NUM) % 3 != 0}
@@ -1586,7 +1598,7 @@ def exhaustive_footprints(repeats: int) -> dict:
     table = {}
     schedules = tuple(name for name in SCHEDULES if builds(name, repeats))
     for schedule, remat, num in itertools.product(schedules, (False, True), (2, 4, 8)):
-        if schedule == "v-zb" and remat:  # not built: plan_pipeline skips it
+        if schedule.startswith("v-") and remat:  # not built: plan_pipeline skips it
             continue
         one = planned(
             candidates=[num],
@@ -1689,7 +1701,7 @@ MALFORMED = {
     "remat": ({"remat": "yes"}, "remat must be True, False"),
     "schedule": (
         {"schedule": "1f2b"},
-        r"schedule must be one of \('gpipe', '1f1b', 'zero-bubble', 'v-zb'\)",
+        r"schedule must be one of \('gpipe', '1f1b', 'zero-bubble', 'v-zb', 'v-half'\)",
     ),
     "memory_budget": ({"memory_budget": "lots"}, "Cannot read memory_budget='lots'"),
     "reduction": ({"reduction": "avg"}, "reduction must be one of"),

@@ -1,7 +1,8 @@
-"""schedule="v-zb" (the V-shaped zero-bubble schedule, repeats=2): its
-tables' invariants here, on this process's one device; its 8-device checks
-(exactness against the sequential model, the loop's collectives) in one
-subprocess, ``v_shape_checks.py``."""
+"""schedule="v-zb" (the V-shaped zero-bubble schedule, repeats=2) and
+"v-half" (the same at a lower cap): their tables' invariants here, on this
+process's one device; their 8-device checks (exactness against the
+sequential model, the loop's collectives) in one subprocess,
+``v_shape_checks.py``."""
 
 import json
 import pathlib
@@ -15,7 +16,17 @@ from check_scripts import run_script, selected_checks
 from v_shape_checks import CHECKS
 
 import jaxaccum
-from jaxaccum._pipeline._v_tables import B, F, W, device_of, op_ticks, v_tables
+from jaxaccum._pipeline._1f1b import OneFOneB
+from jaxaccum._pipeline._v_tables import (
+    B,
+    F,
+    W,
+    device_of,
+    half_cap,
+    one_f_one_b_ticks,
+    op_ticks,
+    v_tables,
+)
 
 RESULTS = (
     pathlib.Path(__file__).parents[1]
@@ -24,15 +35,23 @@ RESULTS = (
     / "pipeline_v_shape.json"
 )
 WINDOWS = [(2, 2), (2, 3), (2, 4), (4, 3), (4, 4), (4, 8), (4, 16), (8, 8), (3, 5)]
+CAPS = ["v-zb", "v-half"]
 
 
+def tables(stages: int, num: int, schedule: str):
+    """The schedule's tables: v-zb's at the cap 2 S, v-half's at half_cap."""
+    cap = half_cap(stages, num) if schedule == "v-half" else None
+    return v_tables(stages, num, cap)
+
+
+@pytest.mark.parametrize("schedule", CAPS)
 @pytest.mark.parametrize(("stages", "num"), WINDOWS)
-def test_every_op_once_on_its_device_after_what_it_needs(stages, num):
+def test_every_op_once_on_its_device_after_what_it_needs(stages, num, schedule):
     """Each (micro-batch, stage)'s F, B and W run exactly once, on the
     stage's device, each a tick or more after what it reads: F after the
     previous stage's F, B after its F and the next stage's B (the last
     stage's: its loss, in its F's tick), W after its B."""
-    t = v_tables(stages, num)
+    t = tables(stages, num, schedule)
     stage = np.where(t.chunk == 1, 2 * stages - 1 - np.arange(stages)[:, None], 0)
     stage = np.where(t.chunk == 0, np.arange(stages)[:, None], stage)
     seen = {}
@@ -83,12 +102,14 @@ def _replay(t, d: int) -> None:
         assert slots.max() < size
 
 
+@pytest.mark.parametrize("schedule", CAPS)
 @pytest.mark.parametrize(("stages", "num"), WINDOWS)
-def test_slots_never_overwrite_what_is_held(stages, num):
-    t = v_tables(stages, num)
+def test_slots_never_overwrite_what_is_held(stages, num, schedule):
+    t = tables(stages, num, schedule)
     for d in range(stages):
         _replay(t, d)
-    assert t.ring_size <= 2 * stages  # the cap: chunk activations F..W
+    cap = half_cap(stages, num) if schedule == "v-half" else 2 * stages
+    assert t.ring_size <= cap  # the cap: chunk activations F..W
     assert (t.op[:, t.loop_ticks :] != F).all() and (t.op[:, t.loop_ticks :] != B).all()
 
 
@@ -108,6 +129,26 @@ def test_window_is_the_benchmarks_model():
     assert v_tables(4, 16).op.shape[1] == 100
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4, 6, 8])
+def test_v_half_within_1f1b_window_at_a_cap_flat_in_m(stages):
+    """v-half's window (in chunk ops) is no longer than lockstep 1F1B's on
+    the same layers (its modeled window, two chunk ops a stage) at every M
+    from 1 to 8 S; its cap is one for all M >= 2 and no more than v-zb's,
+    and one less would be longer than 1F1B's at M = 4 S."""
+    caps = set()
+    for num in range(1, 8 * stages + 1):
+        one_f_one_b = 2 * OneFOneB(stages, num, 1).modeled_window()
+        assert one_f_one_b_ticks(stages, num) == one_f_one_b
+        assert tables(stages, num, "v-half").op.shape[1] <= one_f_one_b, num
+        if num >= 2:
+            caps.add(half_cap(stages, num))
+    (cap,) = caps
+    assert cap <= 2 * stages
+    if cap > 3:
+        shorter = v_tables(stages, 4 * stages, cap - 1).op.shape[1]
+        assert shorter > one_f_one_b_ticks(stages, 4 * stages)
+
+
 @pytest.fixture(scope="module")
 def results(request) -> dict:
     checks = selected_checks(request)
@@ -120,11 +161,15 @@ def test_v_shape_on_8_devices(results, check):
 
 
 @pytest.mark.parametrize(
-    ("reduction", "with_key", "stats", "by_size"),
-    [("mean", False, False, False), ("weighted", True, True, True)],
+    ("reduction", "with_key", "stats", "by_size", "schedule"),
+    [
+        ("mean", False, False, False, "v-zb"),
+        ("weighted", True, True, True, "v-zb"),
+        ("weighted", True, False, False, "v-half"),
+    ],
 )
 def test_one_device_options_against_the_window_reference(
-    reduction, with_key, stats, by_size
+    reduction, with_key, stats, by_size, schedule
 ):
     """On one device (S = 1: both chunks on it, the V's tip and its loss
     handed to itself): v-zb with keys (folded per model stage), a weighted
@@ -147,7 +192,7 @@ def test_one_device_options_against_the_window_reference(
         reduction=reduction,
         has_aux=weighted,
         report_stats=stats,
-        schedule="v-zb",
+        schedule=schedule,
     )
     out = jax.jit(step)(params, batch, key)
     if stats:
@@ -159,12 +204,14 @@ def test_one_device_options_against_the_window_reference(
     chex.assert_trees_all_close(out, expected, rtol=tp.RTOL, atol=tp.RTOL)
 
 
+@pytest.mark.parametrize("schedule", CAPS)
 @pytest.mark.parametrize(("repeats", "remat"), [(1, False), (3, False), (2, True)])
-def test_what_v_zb_is_not_built_for_is_refused_with_why(repeats, remat):
+def test_what_v_zb_is_not_built_for_is_refused_with_why(repeats, remat, schedule):
     """repeats other than 2 at construction, remat when the window is
     built, each saying what is not built."""
     params, batch = tp.one_device_case(repeats)
-    match = "remat is not built" if remat else "repeats=2 only"
+    what = "remat is not built" if remat else "repeats=2 only"
+    match = f"schedule='{schedule}' {'with ' if remat else ''}.*{what}"
     with pytest.raises(ValueError, match=match):
         step = jaxaccum.pipeline_value_and_grad(
             tp.dense,
@@ -174,6 +221,6 @@ def test_what_v_zb_is_not_built_for_is_refused_with_why(repeats, remat):
             embed_fn=tp.embed,
             repeats=repeats,
             remat=remat,
-            schedule="v-zb",
+            schedule=schedule,
         )
         jax.jit(step)(params, batch)

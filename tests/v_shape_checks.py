@@ -1,10 +1,13 @@
-"""schedule="v-zb" (repeats=2) on 8 CPU devices, run as a script by
+"""schedule="v-zb" and "v-half" (repeats=2) on 8 CPU devices, run as a script by
 test_v_shape.py (the device count is fixed when JAX starts): float64
 exactness against the sequential model on stage=2 x data=4 and stage=4 x
 data=2 at M = S, 2 S and 3, on stage=8 (16 model stages) and on stage=2 x
 fsdp=4 (FSDP stage parameters, gathered after the V's mirror); the
 compiled loop's collectives; NaN bubbles; weighted reduction, aux and keys;
-the loss scale; report_stats; temporaries flat in M."""
+the loss scale; report_stats; temporaries flat in M. v-half (the same
+program at a lower cap) on the cases where its tables differ from v-zb's
+(S >= 3): float64, the loop's collectives, NaN bubbles, temporaries flat in
+M and below v-zb's."""
 
 import dataclasses
 import itertools
@@ -39,7 +42,7 @@ from pipeline_checks import (
     wide_case,
 )
 
-from jaxaccum._pipeline._v_shape import VShape
+from jaxaccum._pipeline._schedules import schedule_type
 from jaxaccum._plan._hlo import find_collectives
 
 SCHEDULE = "v-zb"
@@ -68,6 +71,11 @@ CHECKS = [
     "report_stats",
     "memory_flat_in_M",
     "auto_mesh_stage4_data2_M4_R2",
+    "v_half_float64_stage4_data2_M8_R2",
+    "v_half_float64_stage8_M8_R2",
+    "v_half_collectives_stage4_data2_M3_R2",
+    "v_half_nan_bubbles_skipped_and_masked",
+    "v_half_memory_flat_in_M",
 ]
 
 
@@ -77,20 +85,21 @@ def permutes(case: Case) -> tuple[Any, list]:
     return out, find_collectives(compiled)
 
 
-def check_collectives(name: str) -> str:
+def check_collectives(name: str, schedule: str = SCHEDULE) -> str:
     """Float32, equal to the sequential model; in the loop exactly the four
     collective-permutes (activations down and up, cotangents up and down),
     one activation each, once a tick to the last F or B (the W-only ticks
     after it are a loop without collectives); outside, interleaved 1F1B's
     relayout of the same stages plus the V's mirror (one permute a stage
     leaf in, one for its gradient out)."""
-    case = make_case(name, schedule=SCHEDULE)
+    case = make_case(name, schedule=schedule)
     out, found = permutes(case)
     rtol = tolerance(UNIT_ROUNDOFF, layers=case.layers, batch=max(case.rows, BATCH))
     chex.assert_trees_all_close(out, reference(case), rtol=rtol, atol=rtol)
     in_loop = [c for c in found if c.in_loop]
     assert [c.op for c in in_loop] == ["collective-permute"] * 4, in_loop
-    ticks = VShape(case.num_stages, case.num_microbatches, 2).loop_ticks
+    cls = schedule_type(schedule, 2)
+    ticks = cls(case.num_stages, case.num_microbatches, 2).loop_ticks
     assert all(c.bytes == activation_bytes(case) for c in in_loop), in_loop
     assert all(c.runs == ticks for c in in_loop), (in_loop, ticks)
     _, interleaved = permutes(make_case(name, schedule="1f1b"))
@@ -111,11 +120,11 @@ def check_collectives(name: str) -> str:
     )
 
 
-def check_v_nan() -> str:
-    """check_nan on v-zb: skipped F, B and W slots compute nothing; masked
+def check_v_nan(schedule: str = SCHEDULE) -> str:
+    """check_nan on v-zb or v-half: skipped F, B and W slots compute nothing; masked
     ones compute on the fill or on a stale ring slot and are selected
     away."""
-    return check_nan_cases("stage4_data2_M3_R2", SCHEDULE)
+    return check_nan_cases("stage4_data2_M3_R2", schedule)
 
 
 def check_memory() -> str:
@@ -133,6 +142,22 @@ def check_memory() -> str:
         f"{'interleaved 1f1b' if k == '1f1b' else k} M={n}: {v:.1f}"
         for (k, n), v in temps.items()
     )
+
+
+def check_half_memory() -> str:
+    """v-half's temporaries on check_memory's model: flat in M (M = 4 S
+    within 2% of 2 S: its cap, 6 chunk activations at S = 4, is the same
+    for both) and below v-zb's at M = 4 S by at least one of the two ring
+    slots (of cap 8) it does not keep, each a chunk's residuals: its input
+    and its tanh's output, 2 activations."""
+    stages, temps = 4, {}
+    runs = (("v-half", 2 * stages), ("v-half", 4 * stages), (SCHEDULE, 4 * stages))
+    for kind, num in runs:
+        case = dataclasses.replace(wide_case(stages, num, 2), schedule=kind)
+        temps[kind, num] = temp_bytes(case) / (WIDE_ROWS * WIDE * 4)
+    assert temps["v-half", 4 * stages] <= 1.02 * temps["v-half", 2 * stages], temps
+    assert temps["v-half", 4 * stages] <= temps[SCHEDULE, 4 * stages] - 2, temps
+    return ", ".join(f"{k} M={n}: {v:.1f}" for (k, n), v in temps.items())
 
 
 def check_auto_mesh(name: str) -> str:
@@ -155,9 +180,15 @@ def run(name: str) -> str:
         "loss_scale": lambda: check_loss_scale("stage4_data2_M8_R2", SCHEDULE),
         "report_stats": lambda: check_report_stats("stage4_data2_M8_R2", SCHEDULE),
         "memory_flat_in_M": check_memory,
+        "v_half_nan_bubbles_skipped_and_masked": lambda: check_v_nan("v-half"),
+        "v_half_memory_flat_in_M": check_half_memory,
     }
     if name in checks:
         return checks[name]()
+    if name.startswith("v_half_float64_"):
+        return check_float64(name.removeprefix("v_half_float64_"), "v-half")
+    if name.startswith("v_half_collectives_"):
+        return check_collectives(name.removeprefix("v_half_collectives_"), "v-half")
     if name.startswith("float64_"):
         return check_float64(name.removeprefix("float64_"), SCHEDULE)
     if name.startswith("auto_mesh_"):

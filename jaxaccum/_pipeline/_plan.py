@@ -209,8 +209,8 @@ def _base_options(
 def _configs(remats: tuple, schedule: str | None, repeats: int) -> list[tuple]:
     """The ``(schedule, remat)`` pairs to plan, in the order searched: the
     given schedule, else every schedule built for ``repeats`` (GPipe, 1F1B,
-    zero-bubble, v-zb), each with every one of ``remats`` it is built for
-    (v-zb: no remat)."""
+    zero-bubble, v-zb, v-half), each with every one of ``remats`` it is built
+    for (the V's: no remat)."""
     if schedule:
         schedules: list[str] = [schedule]
     else:

@@ -9,12 +9,12 @@ from jaxaccum._pipeline._gpipe import GPipe
 from jaxaccum._pipeline._interleaved import Interleaved
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
-from jaxaccum._pipeline._v_shape import VShape
+from jaxaccum._pipeline._v_shape import VHalf, VShape
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
 from jaxaccum._types import SCHEDULES as SCHEDULE_NAMES
 
 SCHEDULES: dict[str, type[Schedule]] = {
-    cls.name: cls for cls in (GPipe, OneFOneB, ZeroBubble, VShape)
+    cls.name: cls for cls in (GPipe, OneFOneB, ZeroBubble, VShape, VHalf)
 }
 assert tuple(SCHEDULES) == SCHEDULE_NAMES, "ScheduleName lists these"
 

@@ -140,8 +140,8 @@ def pipeline_value_and_grad(
       data_axis: a mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular GPipe, interleaved 1F1B).
       schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"``, ``"1f1b"``
-        (interleaved with ``R > 1``), ``"zero-bubble"`` (``repeats=1`` only)
-        or ``"v-zb"`` (V-shaped, ``repeats=2``); the guide compares them.
+        (interleaved with ``R > 1``), ``"zero-bubble"`` (``repeats=1`` only),
+        ``"v-zb"`` or ``"v-half"`` (V-shaped, ``repeats=2``): see the guide.
       **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:

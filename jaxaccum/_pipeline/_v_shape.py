@@ -13,7 +13,11 @@ are laid out ``(2, S, ...)`` as interleaved 1F1B's are (device ``d`` gets
 stages ``d`` and ``S + d``); the device body mirrors the second row over
 the stage axis by one permute before its loop (device ``d`` then holds
 stage ``2 S - 1 - d``) and the gradient back by one after it. Without
-remat only."""
+remat only.
+
+``schedule="v-half"`` is the same program with fewer chunk activations held
+(Qi et al.'s V-Half): the least cap whose modeled window is no longer than
+lockstep 1F1B's (``_v_tables.half_cap``; 6 at S = 4, against V-ZB's 8)."""
 
 import dataclasses
 from collections.abc import Callable
@@ -25,7 +29,7 @@ import numpy as np
 from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._pipeline._v_shape_tick import run_window
-from jaxaccum._pipeline._v_tables import B, F, VTables, op_ticks, v_tables
+from jaxaccum._pipeline._v_tables import B, F, VTables, half_cap, op_ticks, v_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +47,7 @@ class VShape(OneFOneB):
         """Refuses remat: not built."""
         if remat:
             raise ValueError(
-                "schedule='v-zb' with remat is not built: its tables assume "
+                f"schedule='{cls.name}' with remat is not built: its tables assume "
                 "F = B = W and its B does not recompute the forward. Use "
                 "remat=False, or schedule='zero-bubble' or '1f1b' with remat."
             )
@@ -52,7 +56,7 @@ class VShape(OneFOneB):
     def check_repeats(cls, repeats: int) -> None:
         if repeats != 2:
             raise ValueError(
-                f"schedule='v-zb' runs repeats=2 only (two chunks a device, "
+                f"schedule='{cls.name}' runs repeats=2 only (two chunks a device, "
                 f"down and back up the V), got repeats={repeats}: stack 2 S "
                 "stages and pass repeats=2."
             )
@@ -146,3 +150,19 @@ class VShape(OneFOneB):
         """One device's window: :func:`~jaxaccum._pipeline._v_shape_tick.
         run_window`."""
         return run_window
+
+
+@dataclasses.dataclass(frozen=True)
+class VHalf(VShape):
+    """V-Half: ``schedule="v-half"``, ``repeats=2``, no remat. V-ZB's
+    program with a device holding at most ``half_cap(S, M)`` chunk
+    activations: the least cap whose modeled window is no longer than
+    lockstep 1F1B's (at S = 4: 6 chunks, 3 stages' against 1F1B's ring of
+    7), the same for every ``M`` from ``2`` up."""
+
+    name: ClassVar[str] = "v-half"
+
+    def tables(self) -> VTables:
+        """The tables at :func:`~jaxaccum._pipeline._v_tables.half_cap`."""
+        stages, num = self.num_stages, self.num_microbatches
+        return v_tables(stages, num, half_cap(stages, num))

@@ -208,6 +208,28 @@ def _fill(tables: dict, at: np.ndarray, stages: int) -> dict[str, int]:
     return sizes
 
 
+def one_f_one_b_ticks(stages: int, num: int) -> int:
+    """Lockstep 1F1B's modeled window on the same layers, in chunk ops (a
+    stage's forward is two): ``2 * 3 (M + S - 1)``."""
+    return 6 * (num + stages - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def half_cap(stages: int, num: int) -> int:
+    """V-Half's cap: the least whose greedy window is no longer than
+    lockstep 1F1B's, both at ``M`` and at ``M = 4 S`` (where the least cap
+    stops growing with ``M``, measured to ``16 S``), so its memory is flat
+    in ``M``."""
+
+    def least(m: int) -> int:
+        for cap in range(3, 4 * stages):
+            if greedy(stages, m, cap).shape[-1] <= one_f_one_b_ticks(stages, m):
+                return cap
+        return 4 * stages
+
+    return max(least(num), least(4 * stages))
+
+
 @functools.lru_cache(maxsize=256)
 def v_tables(stages: int, num: int, cap: int | None = None) -> VTables:
     """The :class:`VTables` of ``S`` devices and ``M`` micro-batches, ``cap``
