@@ -158,7 +158,7 @@ class VHalf(VShape):
     program with a device holding at most ``half_cap(S, M)`` chunk
     activations: the least cap whose modeled window is no longer than
     lockstep 1F1B's (at S = 4: 6 chunks, 3 stages' against 1F1B's ring of
-    7), the same for every ``M`` from ``2`` up."""
+    7), the same for every ``M`` from ``2`` up (measured to ``16 S``)."""
 
     name: ClassVar[str] = "v-half"
 
