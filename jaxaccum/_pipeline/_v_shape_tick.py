@@ -1,7 +1,7 @@
 """One device's V-shaped zero-bubble window (``_v_shape``), tick by tick on
-its tables (``_v_tables``): what arrived last tick put in the inboxes; then
-the one op the tables give it, of its down chunk (model stage ``d``, repeat
-0 of its stacked stages) or its up chunk (stage ``2 S - 1 - d``, repeat 1):
+its tables (``_v_tables``): the one op the tables give it, of its down
+chunk (model stage ``d``, repeat 0 of its stacked stages) or its up chunk
+(stage ``2 S - 1 - d``, repeat 1):
 an F (the chunk's stage on the inbox's activation, embedded on device 0's
 down chunk; its residuals to the ring; the loss after device 0's up chunk,
 its cotangent handed to itself), a B (zero-bubble's input half,
@@ -9,10 +9,13 @@ its cotangent handed to itself), a B (zero-bubble's input half,
 stored; the embedding's backward after device 0's down chunk) or a W (the
 weight half, accumulated at the chunk). Each tick's F output and B
 cotangent go both ways by four neighbour permutes (at the V's tip and for
-the loss, a device hands them to itself). Then the W's after the last F
-and B, without permutes."""
+the loss, a device hands them to itself), written into the inbox slots the
+tables give their arrival. Then the W's after the last F and B, without
+permutes. The device's two stages are split before the loop and each op
+reads its chunk's whole, in a ``lax.switch``."""
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
 import jax
@@ -38,12 +41,7 @@ from jaxaccum._pipeline._device import Device, Static, microbatch_key, select, v
 from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._pipeline._v_tables import VTables
 from jaxaccum._pipeline._zero_bubble_split import weight_part
-from jaxaccum._pipeline._zero_bubble_tick import (
-    Halves,
-    input_half,
-    loops,
-    split_stage,
-)
+from jaxaccum._pipeline._zero_bubble_tick import Halves, input_half, loops, split_stage
 from jaxaccum._types import Batch
 from jaxaccum._window._accum_dtypes import accum_dtype_for
 
@@ -74,18 +72,15 @@ class Carry(NamedTuple):
     """A device's scan carry.
 
     Attributes:
-      arrivals: what was handed to it last tick: the activations from
-        below (``x_down``) and above (``x_up``), the cotangents (as
-        :class:`Message` s) from above (``g_down``) and below (``g_up``).
       ring: per saved residual, its ``(K, ...)`` slots.
-      inbox: the activations waiting for their F, ``(I, ...)`` slots.
+      inbox: the activations waiting for their F, ``(I, ...)`` slots (what
+        was handed to it written there at the end of the tick it was sent).
       back: the :class:`Message` s waiting for their B.
       stored: B's boundaries and shares waiting for their W.
       grads: ``(embed, stages, head)`` gradients, the stages ``(2, ...)``.
       sums: the loss sums so far.
     """
 
-    arrivals: tuple
     ring: list
     inbox: Any
     back: Message
@@ -100,25 +95,33 @@ def _row(device: Device, name: str, tick: Any) -> jax.Array:
     return jnp.asarray(table)[device.stage, tick]
 
 
-def _given(device: Device, index: Any, chunk: Any) -> tuple:
-    """``(stage parameters, key)`` of micro-batch ``index`` at ``chunk``: its
-    ``(1, ...)`` slice of the device's two stages, the key of its model
-    stage (``d``, or ``2 S - 1 - d`` for the up chunk)."""
-    own = jax.tree.map(
-        lambda p: lax.dynamic_slice_in_dim(p, chunk, 1, 0), device.own_stages
-    )
+def _on_chunk(
+    device: Device, index: Any, chunk: Any, fn: Callable[..., Any], *operands: Any
+) -> Any:
+    """``fn((own, key), *operands)`` on micro-batch ``index`` at ``chunk``: a
+    ``lax.switch`` whose branch reads the chunk's ``(1, ...)`` stage
+    parameters whole (``device.own_stages``, the two chunks split before the
+    loop, :func:`_chunks`: a dynamic slice of the stack would be copied every
+    tick), with the key of its model stage (``d``, or ``2 S - 1 - d`` for
+    the up chunk)."""
     last = 2 * device.schedule.num_stages - 1
     layer = jnp.where(chunk == 0, device.stage, last - device.stage)
-    return own, microbatch_key(device, index, layer)
+    key = microbatch_key(device, index, layer)
+    axes = axes_of(device)
+
+    def branch(c: int):
+        return lambda parts, key, *ops: varying(fn((parts[c], key), *ops), axes)
+
+    return lax.switch(chunk, [branch(0), branch(1)], device.own_stages, key, *operands)
 
 
 def _write(slots: Any, value: Any, slot: Any) -> Any:
-    """``slots`` with ``value`` in ``slot`` where ``slot >= 0``."""
+    """``slots`` with ``value`` in ``slot`` where ``slot >= 0`` (a scatter
+    that drops the write elsewhere: the slot's old value is not read)."""
 
     def put(s: jax.Array, v: jax.Array) -> jax.Array:
-        safe = jnp.maximum(slot, 0)
-        old = lax.dynamic_index_in_dim(s, safe, 0, keepdims=False)
-        return lax.dynamic_update_index_in_dim(s, jnp.where(slot >= 0, v, old), safe, 0)
+        index = jnp.where(slot >= 0, slot, s.shape[0])
+        return s.at[index].set(v, mode="drop")
 
     return jax.tree.map(put, slots, value)
 
@@ -156,30 +159,27 @@ def _forward_slot(window: Window, ring: list, inbox: Any, tick: Tick, t: Any):
     entering = device_cond(device, tick.enters, embed, lambda: device.fill)
     x = select(tick.enters, entering, _read(inbox, _row(device, "x_slot", t)))
     x = select(valid, x, device.fill)
-    slot = _row(device, "ring", t)
-    old = read_ring(ring, slot)
 
-    def run(given, x):
+    def stage(given, x):
         y, saved, pullback = forward(stage_call(device), given, x)
         window.pullback[:] = [pullback]
         return y, saved
 
-    given = _given(device, micro, chunk)
+    def run(x):
+        return _on_chunk(device, micro, chunk, stage, x)
+
+    def idle(x):
+        return device.fill, [jnp.zeros(r.shape[1:], r.dtype) for r in ring]
+
     if window.skip:
-        y, saved = device_cond(
-            device, valid, run, lambda *_: (device.fill, old), given, x
-        )
+        y, saved = device_cond(device, valid, run, idle, x)
     else:
-        y, saved = run(given, x)
-        saved = select(valid, saved, old)
-    ring = [
-        lax.dynamic_update_index_in_dim(r, s, slot, 0)
-        for r, s in zip(ring, saved, strict=True)
-    ]
-    return y, ring
+        y, saved = run(x)
+    slot = jnp.where(valid, _row(device, "ring", t), -1)
+    return y, _write(ring, saved, slot)
 
 
-def _input_slot(window: Window, halves: Halves, carry: Carry, ring: list, t: Any):
+def _input_slot(window: Window, halves: Halves, carry: Carry, saved: list, t: Any):
     """The tick's B: the chunk's input cotangent (B's half) from its ring
     slot and the cotangent waiting in its inbox slot, its boundary stored;
     after device 0's down chunk the embedding's backward. Returns the
@@ -188,12 +188,11 @@ def _input_slot(window: Window, halves: Halves, carry: Carry, ring: list, t: Any
     device = window.device
     valid = _row(device, "op", t) == 1
     micro, chunk = _row(device, "micro", t), _row(device, "chunk", t)
-    saved = read_ring(ring, _row(device, "ring", t))
     message = _read(carry.back, _row(device, "g_slot", t))
     back, stored = input_half(
         window,
         halves,
-        lambda: _given(device, micro, chunk),
+        functools.partial(_on_chunk, device, micro, chunk),
         valid,
         (saved, message),
         (carry.stored, _row(device, "stored", t)),
@@ -204,7 +203,7 @@ def _input_slot(window: Window, halves: Halves, carry: Carry, ring: list, t: Any
 
 
 def _weight_slot(
-    window: Window, halves: Halves, stage_grad: Any, ring: list, stored: Message, t
+    window: Window, halves: Halves, stage_grad: Any, saved: list, stored: Message, t
 ):
     """The tick's W: the chunk's parameters' gradient (W's half, from its
     residuals and its stored boundary), accumulated at the chunk at its
@@ -212,14 +211,15 @@ def _weight_slot(
     device = window.device
     valid = _row(device, "op", t) == 2
     micro, chunk = _row(device, "micro", t), _row(device, "chunk", t)
-    saved = read_ring(ring, _row(device, "ring", t))
     boundary = _read(stored, _row(device, "stored", t))
     zero = varying(jnp.zeros((), jnp.float32), axes_of(device))
 
-    def run(stage_grad, saved, boundary):
-        given = _given(device, micro, chunk)
+    def part(given, saved, cotangent):
         args = [*jax.tree.leaves((given, saved)), *[None] * halves.handed]
-        weights = weight_part(halves.split, args, boundary.cotangent)
+        return weight_part(halves.split, args, cotangent)
+
+    def run(stage_grad, saved, boundary):
+        weights = _on_chunk(device, micro, chunk, part, saved, boundary.cotangent)
         own_grad = jax.tree.unflatten(halves.own, weights[: halves.own.num_leaves])
         accum = device.options.accum_dtype
         grad = jax.tree.map(
@@ -254,43 +254,65 @@ def _handed(device: Device, y: Any, dx: Message, loss: Message) -> tuple:
     return x_down, x_up, g_down, g_up
 
 
+def _arrived(device: Device, carry: Carry, handed: tuple, t: Any) -> tuple:
+    """The inboxes with ``handed`` (:func:`_handed`, sent at tick ``t``) in
+    the slots the tables give its arrival at ``t + 1`` (none past the
+    loop's ticks), so no arrival is carried over the tick."""
+    x_down, x_up, g_down, g_up = handed
+    nxt = jnp.minimum(t + 1, _ticks_of(device).loop_ticks - 1)
+    last = t + 1 >= _ticks_of(device).loop_ticks
+
+    def slot(name: str) -> Any:
+        return jnp.where(last, -1, _row(device, name, nxt))
+
+    inbox = _write(carry.inbox, x_down, slot("x_down"))
+    inbox = _write(inbox, x_up, slot("x_up"))
+    back = _write(carry.back, g_down, slot("g_down"))
+    return inbox, _write(back, g_up, slot("g_up"))
+
+
+def _saved(device: Device, ring: list, t: Any) -> list:
+    """The residuals in the tick's ring slot, read once for its B and W
+    (one of them runs; two reads would be two copies)."""
+    return read_ring(ring, _row(device, "ring", t))
+
+
 def _one_tick(window: Window, halves: Halves, carry: Carry, t: Any):
-    """One loop tick of one device: the arrivals put in the inboxes, its F,
-    B or W (each a ``lax.cond`` the tables switch on), the loss where
-    device 0's up chunk ran its F; what it made handed on."""
+    """One loop tick of one device: its F, B or W (each a ``lax.cond`` the
+    tables switch on) on what waits in its inboxes, the loss where device
+    0's up chunk ran its F; what it made handed on, into the inboxes."""
     device = window.device
-    x_down, x_up, g_down, g_up = carry.arrivals
-    inbox = _write(carry.inbox, x_down, _row(device, "x_down", t))
-    inbox = _write(inbox, x_up, _row(device, "x_up", t))
-    back = _write(carry.back, g_down, _row(device, "g_down", t))
-    back = _write(back, g_up, _row(device, "g_up", t))
     tick = _ticks_of(device).at(t, device.stage)
-    y, ring = _forward_slot(window, carry.ring, inbox, tick, t)
+    y, ring = _forward_slot(window, carry.ring, carry.inbox, tick, t)
     head_grad, sums, out, loss, head_sq = loss_slot(window, carry, y, tick)
-    carry = carry._replace(back=back, grads=(*carry.grads[:2], head_grad))
-    embed_grad, dx, stored, embed_sq = _input_slot(window, halves, carry, ring, t)
-    stage_grad, stage_sq = _weight_slot(window, halves, carry.grads[1], ring, stored, t)
-    arrivals = _handed(device, y, dx, loss)
+    carry = carry._replace(grads=(*carry.grads[:2], head_grad))
+    saved = _saved(device, ring, t)
+    embed_grad, dx, stored, embed_sq = _input_slot(window, halves, carry, saved, t)
+    stage_grad, stage_sq = _weight_slot(
+        window, halves, carry.grads[1], saved, stored, t
+    )
+    inbox, back = _arrived(device, carry, _handed(device, y, dx, loss), t)
     grads = (embed_grad, stage_grad, head_grad)
     per_tick = (out.loss, out.weight, embed_sq, stage_sq, head_sq)
-    return Carry(arrivals, ring, inbox, back, stored, grads, sums), per_tick
+    return Carry(ring, inbox, back, stored, grads, sums), per_tick
 
 
 def _appended_tick(window: Window, halves: Halves, carry: Carry, t: Any):
     """One tick after the last F and B: its W only."""
     embed, stage_grad, head = carry.grads
+    saved = _saved(window.device, carry.ring, t)
     stage_grad, stage_sq = _weight_slot(
-        window, halves, stage_grad, carry.ring, carry.stored, t
+        window, halves, stage_grad, saved, carry.stored, t
     )
     return carry._replace(grads=(embed, stage_grad, head)), stage_sq
 
 
 def _initial(window: Window, static: Static, boundary: list) -> Carry:
-    """The carry before the first tick: nothing arrived, empty ring,
-    inboxes and stored boundaries (the tables' sizes), zero sums."""
+    """The carry before the first tick: empty ring, inboxes and stored
+    boundaries (the tables' sizes), zero sums."""
     device = window.device
     tables = _ticks_of(device).tables()
-    one = initial_carry(window, static.shapes, _given(device, 0, 0))
+    one = initial_carry(window, static.shapes, _first(device))
 
     def slots(count: int, like: Any) -> Any:
         return jax.tree.map(lambda x: jnp.zeros((count, *x.shape), x.dtype), like)
@@ -301,9 +323,28 @@ def _initial(window: Window, static: Static, boundary: list) -> Carry:
     )
     inbox = slots(tables.inbox_size, one.incoming)
     back = slots(tables.back_size, one.back)
-    arrivals = (one.incoming, one.incoming, one.back, one.back)
     stored, inbox, back = varying((stored, inbox, back), axes_of(device))
-    return Carry(arrivals, one.ring, inbox, back, stored, one.grads, one.sums)
+    return Carry(one.ring, inbox, back, stored, one.grads, one.sums)
+
+
+def _first(device: Device) -> tuple:
+    """A down chunk's ``(stage parameters, key)``: what the ring's and the
+    stored boundaries' slots are shaped by."""
+    return device.own_stages[0], microbatch_key(device, 0, device.stage)
+
+
+def _chunks(device: Device) -> Device:
+    """``device`` with its two stages as two ``(1, ...)`` arrays, split once
+    before the loop: the down chunk's (stage ``d``) and the up chunk's,
+    stage ``2 S - 1 - d``, the second row from device ``S - 1 - d`` (one
+    permute), as :func:`_mirrored` lays them out."""
+    num_stages = device.schedule.num_stages
+    pairs = [(d, num_stages - 1 - d) for d in range(num_stages)]
+    axis = device.options.layout.stage_axis
+    own = device.own_stages
+    down = jax.tree.map(lambda p: p[:1], own)
+    up = jax.tree.map(lambda p: lax.ppermute(p[1:], axis, pairs), own)
+    return device._replace(own_stages=(down, up))
 
 
 def _mirrored(stages: Any, axis: str, num_stages: int) -> Any:
@@ -324,10 +365,9 @@ def run_window(
     window's ``run_window`` does (the stage probes per tick, the W-only
     ticks' included)."""
     options, schedule = static.options, cast(VTicks, static.schedule)
-    embed, stages, head = params
-    stages = _mirrored(stages, options.layout.stage_axis, schedule.num_stages)
-    window = make_window(static, skip, (embed, stages, head), batch, key, loss_scale)
-    halves, boundary = split_stage(window.device, _given(window.device, 0, 0))
+    window = make_window(static, skip, params, batch, key, loss_scale)
+    window = window._replace(device=_chunks(window.device))
+    halves, boundary = split_stage(window.device, _first(window.device))
     carry, per_tick = loops(
         functools.partial(_one_tick, window, halves),
         functools.partial(_appended_tick, window, halves),

@@ -44,13 +44,7 @@ from jaxaccum._pipeline._1f1b_tick import (
     unshare,
 )
 from jaxaccum._pipeline._calls import LossOut
-from jaxaccum._pipeline._device import (
-    Device,
-    Shapes,
-    Static,
-    select,
-    varying,
-)
+from jaxaccum._pipeline._device import Device, Shapes, Static, select, varying
 from jaxaccum._pipeline._zero_bubble_split import (
     SplitBackward,
     input_part,
@@ -167,7 +161,7 @@ def _input_slot(
     back, stored = input_half(
         window,
         halves,
-        lambda: stage_given(device, index),
+        lambda fn, *operands: fn(stage_given(device, index), *operands),
         valid,
         (saved, message),
         (carry.stored, index % schedule.stored_size),
@@ -179,16 +173,18 @@ def _input_slot(
 def input_half(
     window: Window,
     halves: Halves,
-    given: Callable[[], Any],
+    given: Callable[..., Any],
     valid: Any,
     read: tuple[list, Message],
     stored_at: tuple[Message, Any],
 ) -> tuple[Message, Message]:
     """B's half of a stage's backward where ``valid``: from the stage's
-    ``given()`` (its parameters and key), the residuals and the message
-    ``read`` holds, the input's cotangent handed on (zero share where not
-    valid) and the boundary stored, with the share, in slot ``slot`` of
-    ``stored`` (``stored_at``). Returns the message and the stored slots."""
+    given (its parameters and key; ``given(fn, *operands)`` returns ``fn(
+    given, *operands)``, so a V's switch reads its chunk's whole), the
+    residuals and the message ``read`` holds, the input's cotangent handed
+    on (zero share where not valid) and the boundary stored, with the share,
+    in slot ``slot`` of ``stored`` (``stored_at``). Returns the message and
+    the stored slots."""
     device = window.device
     saved, message = read
     stored, slot = stored_at
@@ -199,8 +195,11 @@ def input_half(
 
     def run(saved, message, old):
         cotangent = full_cotangent(device.fill, message.cotangent)
-        args = jax.tree.leaves((given(), saved, cotangent))
-        dx, boundary = input_part(halves.split, args)
+
+        def part(own, saved, cotangent):
+            return input_part(halves.split, jax.tree.leaves((own, saved, cotangent)))
+
+        dx, boundary = given(part, saved, cotangent)
         dx = [jnp.where(valid, g, 0) for g in floats(dx)]
         share = jnp.where(valid, message.share, 0)
         return Message(dx, share), Message(boundary, message.share)
