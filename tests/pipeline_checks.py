@@ -618,12 +618,15 @@ def check_weighted_aux_keys(schedule="gpipe", interleaved=False):
     return "; ".join(details)
 
 
-def check_drawn_against(schedule, other, names, max_examples, rtol_of):
-    """Drawn (case of ``names``, remat, unroll): ``schedule`` equals the
-    sequential model (``rtol_of(case)``) and ``other`` on the same options
-    (twice it: each is that close to the model). Returns what it drew."""
+REMATS = (False, True, jax.checkpoint_policies.dots_saveable)
+
+
+def check_drawn_against(schedule, other, names, max_examples, rtol_of, remats=REMATS):
+    """Drawn (case of ``names``, remat of ``remats``, unroll): ``schedule``
+    equals the sequential model (``rtol_of(case)``) and ``other`` on the
+    same options (twice it: each is that close to the model). Returns what
+    it drew."""
     seen = []
-    remats = (False, True, jax.checkpoint_policies.dots_saveable)
 
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None)
     @given(
@@ -648,7 +651,8 @@ def check_drawn_against(schedule, other, names, max_examples, rtol_of):
             outs[schedule], outs[other], rtol=2 * rtol, atol=2 * rtol
         )
         error = max_error(outs[schedule], expected)
-        seen.append(f"{name} remat={getattr(remat, '__name__', remat)}: {error:.1e}")
+        remat_name = getattr(remat, "__name__", remat)
+        seen.append(f"{name} remat={remat_name} unroll={unroll}: {error:.1e}")
 
     drawn()
     return "; ".join(seen)

@@ -26,6 +26,7 @@ from pipeline_checks import (
     WIDE_ROWS,
     Case,
     activation_bytes,
+    check_drawn_against,
     check_float64,
     check_loss_scale,
     check_nan_cases,
@@ -76,6 +77,7 @@ CHECKS = [
     "v_half_collectives_stage4_data2_M3_R2",
     "v_half_nan_bubbles_skipped_and_masked",
     "v_half_memory_flat_in_M",
+    "v_half_drawn_options_agree",
 ]
 
 
@@ -160,6 +162,22 @@ def check_half_memory() -> str:
     return ", ".join(f"{k} M={n}: {v:.1f}" for (k, n), v in temps.items())
 
 
+def check_half_drawn() -> str:
+    """Drawn (case, unroll; no remat: not built): v-half equals the
+    sequential model (the case's bound) and interleaved 1F1B on the same
+    stacked stages and options (twice it)."""
+    return check_drawn_against(
+        "v-half",
+        "1f1b",
+        ("stage4_data2_M8_R2", "stage4_data2_M3_R2", "stage8_M8_R2"),
+        4,
+        lambda case: tolerance(
+            UNIT_ROUNDOFF, layers=case.layers, batch=max(case.rows, BATCH)
+        ),
+        remats=(False,),
+    )
+
+
 def check_auto_mesh(name: str) -> str:
     """On an Auto mesh (the step cannot see the parameters' shardings):
     equal to the sequential model, the gradients' stages over the stage
@@ -182,6 +200,7 @@ def run(name: str) -> str:
         "memory_flat_in_M": check_memory,
         "v_half_nan_bubbles_skipped_and_masked": lambda: check_v_nan("v-half"),
         "v_half_memory_flat_in_M": check_half_memory,
+        "v_half_drawn_options_agree": check_half_drawn,
     }
     if name in checks:
         return checks[name]()
