@@ -29,6 +29,11 @@ whole stage) against 1F1B's ring of ``min(2 S - 1, M)`` and the
 asynchronous 1F1B's ``min(S, M)``. The caps named: V-ZB at ``2 S`` (the
 asynchronous 1F1B's memory), V-Half at ``S`` and V-Min at ``ceil(2 S / 3)``,
 and the least cap whose window is no longer than 1F1B's.
+
+``remat``: the windows if B recomputed its chunk's forward (B = 2 F, W = F,
+a lockstep tick as long as its longest op) on the programs' own tables
+(``schedule="v-zb"``'s and ``"v-half"``'s), against lockstep 1F1B's with
+remat (a tick's backward 3 F: the forward recomputed, then the backward).
 """
 
 import math
@@ -37,6 +42,7 @@ import numpy as np
 from common import write_json
 
 from jaxaccum._pipeline._1f1b import OneFOneB
+from jaxaccum._pipeline._v_tables import half_cap, v_tables
 
 _NEVER = 1 << 30
 
@@ -128,9 +134,25 @@ def _row(stages: int, num: int) -> dict:
     named["least_within_1f1b"] = min(fits)
     return {
         **reference,
+        "remat": _remat_windows(stages, num),
         "caps": caps,
         "named": {name: {"cap": cap, **caps[cap]} for name, cap in named.items()},
     }
+
+
+def _remat_windows(stages: int, num: int) -> dict:
+    """Stage-forward units with remat: each lockstep tick as long as its
+    longest op (the V: F 1/2, B 1, W 1/2 of a stage's forward; 1F1B: F 1,
+    B 3)."""
+    busy = OneFOneB(stages, num).busy_table()  # 1 F, 2 B, 3 both
+    one = np.choose(busy.astype(int), [0, 1, 3, 4]).max(axis=0).sum()
+    windows = {"one_f_one_b": float(one)}
+    for name, cap in (("v_zb", None), ("v_half", half_cap(stages, num))):
+        op = v_tables(stages, num, cap).op  # -1 idle, 0 F, 1 B, 2 W
+        cost = np.choose(op + 1, [0.0, 0.5, 1.0, 0.5]).max(axis=0).sum()
+        windows[name] = float(cost)
+        windows[f"{name}_over_1f1b"] = float(cost / one)
+    return windows
 
 
 def main() -> None:
