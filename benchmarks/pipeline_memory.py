@@ -1,5 +1,5 @@
-"""Zero-bubble's and interleaved 1F1B's compiled temporaries against
-1F1B's (issue 74).
+"""Zero-bubble's, interleaved 1F1B's and the V schedules' compiled
+temporaries against 1F1B's (issue 74).
 
 ``jaxaccum.pipeline_value_and_grad`` at S = 4 stages x data = 2 on the 8
 forced CPU devices, M = 2S, 4S, 8S micro-batches, every schedule running the
@@ -19,7 +19,12 @@ and inboxes, and its modeled window against the asynchronous ZB-H1's
 ``3 M + S - 1``; and per (model, stage, remat) the flatness in M (M = 8S
 against M = 2S). Interleaved 1F1B (``repeats=2``: 2S chunks of 1 or 2
 layers, without remat) against 1F1B on the same layers (S stages of twice
-the chunk's layers): its temporaries, their ratio, its flatness in M.
+the chunk's layers): its temporaries, their ratio, its flatness in M. The
+V schedules (``"v-zb"`` and ``"v-half"``, ``repeats=2``, without remat: not
+built) on the same 2S chunks, against the same 1F1B: their temporaries,
+ratios, slots (residual ring, stored boundaries, inboxes, in chunk
+activations), modeled windows (in whole stages' forward, a chunk op half of
+one) against 1F1B's ``3 (M + S - 1)``, and flatness in M.
 
 Run: python benchmarks/pipeline_memory.py   (writes
 benchmarks/results/pipeline_memory.json; a few minutes)
@@ -40,6 +45,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
+from jaxaccum._pipeline._1f1b import OneFOneB  # noqa: E402
+from jaxaccum._pipeline._v_shape import VHalf, VShape  # noqa: E402
 from jaxaccum._pipeline._zero_bubble import ZeroBubble  # noqa: E402
 from jaxaccum.cli.harness import machine  # noqa: E402
 
@@ -145,16 +152,37 @@ def row(name: str, layers: int, num: int, remat: bool) -> dict:
     }
 
 
-def interleaved_row(name: str, layers: int, num: int) -> dict:
-    """Interleaved 1F1B (``R = 2`` chunks of ``layers`` layers a device)
-    against 1F1B on the same layers (stages of ``2 layers``)."""
-    mine = temporaries(name, layers, num, "1f1b", False, repeats=2)
+def chunked_rows(name: str, layers: int, num: int) -> dict:
+    """The schedules of ``R = 2`` chunks of ``layers`` layers a device
+    (interleaved 1F1B, v-zb, v-half) against 1F1B on the same layers
+    (stages of ``2 layers``): ``{schedule: row}``."""
     one = temporaries(name, 2 * layers, num, "1f1b", False)
-    return {
-        "interleaved_temp_activations": mine,
-        "one_f_one_b_temp_activations": one,
-        "ratio": mine / one,
+    mine = temporaries(name, layers, num, "1f1b", False, repeats=2)
+    rows = {
+        "interleaved": {
+            "interleaved_temp_activations": mine,
+            "one_f_one_b_temp_activations": one,
+            "ratio": mine / one,
+        }
     }
+    for cls in (VShape, VHalf):
+        temps = temporaries(name, layers, num, cls.name, False, repeats=2)
+        schedule = cls(STAGES, num, 2)
+        tables = schedule.tables()
+        rows[cls.name] = {
+            "temp_activations": temps,
+            "one_f_one_b_temp_activations": one,
+            "ratio": temps / one,
+            "slots_chunk_activations": {
+                "ring": tables.ring_size,
+                "stored": tables.stored_size,
+                "inbox": tables.inbox_size,
+                "back_inbox": tables.back_size,
+            },
+            "window_stages": schedule.modeled_window() / 2,
+            "one_f_one_b_window_stages": OneFOneB(STAGES, num).modeled_window(),
+        }
+    return rows
 
 
 def main() -> None:
@@ -170,17 +198,20 @@ def main() -> None:
             for f in (FACTORS[0], FACTORS[-1])
         )
         flat[config] = big / small
+    kinds = {"interleaved": "interleaved_temp_activations"}
+    kinds |= {"v-zb": "temp_activations", "v-half": "temp_activations"}
     for name, layers in itertools.product(MODELS, (1, 2)):
-        config = f"interleaved_{name}_L{layers}"
         for factor in FACTORS:
             num = factor * STAGES
-            rows[f"{config}_M{num}"] = interleaved_row(name, layers, num)
-            print(config, num, rows[f"{config}_M{num}"], flush=True)
-        small, big = (
-            rows[f"{config}_M{f * STAGES}"]["interleaved_temp_activations"]
-            for f in (FACTORS[0], FACTORS[-1])
-        )
-        flat[config] = big / small
+            for kind, row_of in chunked_rows(name, layers, num).items():
+                rows[f"{kind}_{name}_L{layers}_M{num}"] = row_of
+                print(kind, name, layers, num, row_of, flush=True)
+        for kind, key in kinds.items():
+            config = f"{kind}_{name}_L{layers}"
+            small, big = (
+                rows[f"{config}_M{f * STAGES}"][key] for f in (FACTORS[0], FACTORS[-1])
+            )
+            flat[config] = big / small
     write_json(
         "pipeline_memory",
         {
