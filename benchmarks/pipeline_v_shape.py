@@ -42,7 +42,7 @@ import numpy as np
 from common import write_json
 
 from jaxaccum._pipeline._1f1b import OneFOneB
-from jaxaccum._pipeline._v_tables import half_cap, v_tables
+from jaxaccum._pipeline._v_tables import half_plan, v_tables
 
 _NEVER = 1 << 30
 
@@ -147,8 +147,8 @@ def _remat_windows(stages: int, num: int) -> dict:
     busy = OneFOneB(stages, num).busy_table()  # 1 F, 2 B, 3 both
     one = np.choose(busy.astype(int), [0, 1, 3, 4]).max(axis=0).sum()
     windows = {"one_f_one_b": float(one)}
-    for name, cap in (("v_zb", None), ("v_half", half_cap(stages, num))):
-        op = v_tables(stages, num, cap).op  # -1 idle, 0 F, 1 B, 2 W
+    for name, plan in (("v_zb", ()), ("v_half", half_plan(stages, num))):
+        op = v_tables(stages, num, *plan).op  # -1 idle, 0 F, 1 B, 2 W
         cost = np.choose(op + 1, [0.0, 0.5, 1.0, 0.5]).max(axis=0).sum()
         windows[name] = float(cost)
         windows[f"{name}_over_1f1b"] = float(cost / one)

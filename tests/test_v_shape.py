@@ -22,7 +22,7 @@ from jaxaccum._pipeline._v_tables import (
     F,
     W,
     device_of,
-    half_cap,
+    half_plan,
     one_f_one_b_ticks,
     op_ticks,
     v_tables,
@@ -39,9 +39,10 @@ CAPS = ["v-zb", "v-half"]
 
 
 def tables(stages: int, num: int, schedule: str):
-    """The schedule's tables: v-zb's at the cap 2 S, v-half's at half_cap."""
-    cap = half_cap(stages, num) if schedule == "v-half" else None
-    return v_tables(stages, num, cap)
+    """The schedule's tables: v-zb's at the cap 2 S, v-half's half_plan's."""
+    if schedule == "v-half":
+        return v_tables(stages, num, *half_plan(stages, num))
+    return v_tables(stages, num)
 
 
 @pytest.mark.parametrize("schedule", CAPS)
@@ -108,7 +109,7 @@ def test_slots_never_overwrite_what_is_held(stages, num, schedule):
     t = tables(stages, num, schedule)
     for d in range(stages):
         _replay(t, d)
-    cap = half_cap(stages, num) if schedule == "v-half" else 2 * stages
+    cap = half_plan(stages, num).cap if schedule == "v-half" else 2 * stages
     assert t.ring_size <= cap  # the cap: chunk activations F..W
     assert (t.op[:, t.loop_ticks :] != F).all() and (t.op[:, t.loop_ticks :] != B).all()
 
@@ -133,21 +134,21 @@ def test_window_is_the_benchmarks_model():
 def test_v_half_within_1f1b_window_at_a_cap_flat_in_m(stages):
     """v-half's window (in chunk ops) is no longer than lockstep 1F1B's on
     the same layers (its modeled window, two chunk ops a stage) at every M
-    from 1 to 8 S (at S = 8, every third); its cap is one for all M >= 2
-    and no more than v-zb's, and one less would be longer than 1F1B's at
-    M = 8 S."""
-    caps = set()
+    from 1 to 8 S (at S = 8, every third); its plan is one for all M >= 2,
+    its cap no more than v-zb's, and one less would be longer than 1F1B's
+    at M = 8 S in either order of ready B's."""
+    plans = set()
     for num in range(1, 8 * stages + 1, 3 if stages == 8 else 1):
         one_f_one_b = 2 * OneFOneB(stages, num, 1).modeled_window()
         assert one_f_one_b_ticks(stages, num) == one_f_one_b
         assert tables(stages, num, "v-half").op.shape[1] <= one_f_one_b, num
         if num >= 2:
-            caps.add(half_cap(stages, num))
-    (cap,) = caps
+            plans.add(half_plan(stages, num))
+    ((cap, _),) = plans
     assert cap <= 2 * stages
-    if cap > 3:
-        shorter = v_tables(stages, 8 * stages, cap - 1).op.shape[1]
-        assert shorter > one_f_one_b_ticks(stages, 8 * stages)
+    for up_first in (False, True):
+        shorter = v_tables(stages, 8 * stages, cap - 1, up_first).op.shape[1]
+        assert cap == 3 or shorter > one_f_one_b_ticks(stages, 8 * stages)
 
 
 @pytest.fixture(scope="module")

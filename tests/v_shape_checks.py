@@ -148,10 +148,10 @@ def check_memory() -> str:
 
 def check_half_memory() -> str:
     """v-half's temporaries on check_memory's model: flat in M (M = 4 S
-    within 2% of 2 S: its cap, 6 chunk activations at S = 4, is the same
-    for both) and below v-zb's at M = 4 S by at least one of the two ring
-    slots (of cap 8) it does not keep, each a chunk's residuals: its input
-    and its tanh's output, 2 activations."""
+    within 2% of 2 S: its cap, 5 chunk activations at S = 4, is the same
+    for both) and below v-zb's at M = 4 S by at least one of the ring
+    slots (of v-zb's 8) it does not keep, each a chunk's residuals: at
+    least its input and its tanh's output, 2 activations."""
     stages, temps = 4, {}
     runs = (("v-half", 2 * stages), ("v-half", 4 * stages), (SCHEDULE, 4 * stages))
     for kind, num in runs:

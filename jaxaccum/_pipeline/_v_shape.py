@@ -17,7 +17,7 @@ remat only.
 
 ``schedule="v-half"`` is the same program with fewer chunk activations held
 (Qi et al.'s V-Half): the least cap whose modeled window is no longer than
-lockstep 1F1B's (``_v_tables.half_cap``; 6 at S = 4, against V-ZB's 8)."""
+lockstep 1F1B's (``_v_tables.half_plan``; 5 at S = 4, against V-ZB's 8)."""
 
 import dataclasses
 from collections.abc import Callable
@@ -29,7 +29,7 @@ import numpy as np
 from jaxaccum._pipeline._1f1b import OneFOneB
 from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._pipeline._v_shape_tick import run_window
-from jaxaccum._pipeline._v_tables import B, F, VTables, half_cap, op_ticks, v_tables
+from jaxaccum._pipeline._v_tables import B, F, VTables, half_plan, op_ticks, v_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,14 +155,15 @@ class VShape(OneFOneB):
 @dataclasses.dataclass(frozen=True)
 class VHalf(VShape):
     """V-Half: ``schedule="v-half"``, ``repeats=2``, no remat. V-ZB's
-    program with a device holding at most ``half_cap(S, M)`` chunk
-    activations: the least cap whose modeled window is no longer than
-    lockstep 1F1B's (at S = 4: 6 chunks, 3 stages' against 1F1B's ring of
-    7), the same for every ``M`` from ``2`` up (measured to ``16 S``)."""
+    program with a device holding fewer chunk activations
+    (:func:`~jaxaccum._pipeline._v_tables.half_plan`): the least cap whose
+    modeled window is no longer than lockstep 1F1B's, of two orders of
+    ready B's (at S = 4: 5 chunks, 2.5 stages' against 1F1B's ring of 7),
+    the same for every ``M`` from ``2`` up (measured to ``16 S``)."""
 
     name: ClassVar[str] = "v-half"
 
     def tables(self) -> VTables:
-        """The tables at :func:`~jaxaccum._pipeline._v_tables.half_cap`."""
+        """The tables of :func:`~jaxaccum._pipeline._v_tables.half_plan`."""
         stages, num = self.num_stages, self.num_microbatches
-        return v_tables(stages, num, half_cap(stages, num))
+        return v_tables(stages, num, *half_plan(stages, num))

@@ -57,7 +57,9 @@ class _State:
         return min(pending, key=lambda c: self.at[B, c, self.done[W, c]])
 
 
-def _choice(state: _State, device: int, tick: int, cap: int) -> tuple[int, int] | None:
+def _choice(
+    state: _State, device: int, tick: int, cap: int, up_first: bool
+) -> tuple[int, int] | None:
     """The (op, model stage) ``device`` runs at ``tick``, or None (idle)."""
     down, up = device, state.chunks - 1 - device
     held = state.held((down, up))
@@ -66,6 +68,8 @@ def _choice(state: _State, device: int, tick: int, cap: int) -> tuple[int, int] 
         return W, weight
     backs = [c for c in (up, down) if state.ready(B, c, tick)]
     if backs:
+        if up_first:
+            return B, backs[0]
         return B, min(backs, key=lambda c: (state.done[B, c], -c))
     if state.ready(F, up, tick) and held + 1 <= cap:
         return F, up
@@ -74,9 +78,11 @@ def _choice(state: _State, device: int, tick: int, cap: int) -> tuple[int, int] 
     return None if weight is None else (W, weight)
 
 
-def greedy(stages: int, num: int, cap: int) -> np.ndarray:
+def greedy(stages: int, num: int, cap: int, up_first: bool = False) -> np.ndarray:
     """``(3, S, T)``: per device and tick the op (-1 idle, 0 F, 1 B, 2 W),
-    the micro-batch and the model stage of the greedy V schedule."""
+    the micro-batch and the model stage of the greedy V schedule (of two
+    ready B's: the older micro-batch's, else the up chunk's; with
+    ``up_first`` the up chunk's)."""
     state = _State(stages, num)
     columns: list[np.ndarray] = []
     while (state.done[W] < num).any():
@@ -84,7 +90,7 @@ def greedy(stages: int, num: int, cap: int) -> np.ndarray:
         if tick > 20 * num * stages + 100:
             raise RuntimeError(f"no progress: S={stages} M={num} cap={cap}")
         column = np.full((3, stages), -1)
-        picks = [_choice(state, d, tick, cap) for d in range(stages)]
+        picks = [_choice(state, d, tick, cap, up_first) for d in range(stages)]
         for d, pick in enumerate(picks):
             if pick is not None:
                 op, chunk = pick
@@ -214,30 +220,48 @@ def one_f_one_b_ticks(stages: int, num: int) -> int:
     return 6 * (num + stages - 1)
 
 
-@functools.lru_cache(maxsize=256)
-def half_cap(stages: int, num: int) -> int:
-    """V-Half's cap: the least whose greedy window is no longer than
-    lockstep 1F1B's, both at ``M`` and at ``M = 8 S`` (past which the least
-    cap stops growing with ``M``: measured to ``16 S`` for ``S <= 6`` and
-    ``S = 7 .. 10`` on a sample), so its memory is flat in ``M``."""
-    return max(_least_cap(stages, num), _least_cap(stages, 8 * stages))
+class HalfPlan(NamedTuple):
+    """V-Half's greedy tables: the cap and the order of ready B's."""
+
+    cap: int
+    up_first: bool
 
 
 @functools.lru_cache(maxsize=256)
-def _least_cap(stages: int, num: int) -> int:
+def half_plan(stages: int, num: int) -> HalfPlan:
+    """V-Half's tables: for each order of ready B's (v-zb's, the older
+    micro-batch first; the up chunk first), the least cap whose greedy
+    window is no longer than lockstep 1F1B's both at ``M`` and at ``M = 8
+    S`` (past which it stops growing with ``M``: measured to ``16 S`` for
+    ``S <= 6``, on a sample for ``S = 7 .. 10``), so its memory is flat in
+    ``M``; of the two, the lesser cap (v-zb's order on a tie)."""
+    plans = [
+        HalfPlan(
+            max(_least_cap(stages, n, up_first) for n in (num, 8 * stages)), up_first
+        )
+        for up_first in (False, True)
+    ]
+    return min(plans, key=lambda plan: plan.cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _least_cap(stages: int, num: int, up_first: bool) -> int:
     """The least cap whose greedy window is within lockstep 1F1B's."""
     for cap in range(3, 4 * stages):
-        if greedy(stages, num, cap).shape[-1] <= one_f_one_b_ticks(stages, num):
+        ticks = greedy(stages, num, cap, up_first).shape[-1]
+        if ticks <= one_f_one_b_ticks(stages, num):
             return cap
     return 4 * stages
 
 
 @functools.lru_cache(maxsize=256)
-def v_tables(stages: int, num: int, cap: int | None = None) -> VTables:
+def v_tables(
+    stages: int, num: int, cap: int | None = None, up_first: bool = False
+) -> VTables:
     """The :class:`VTables` of ``S`` devices and ``M`` micro-batches, ``cap``
     chunk activations held a device (by default ``2 S``, V-ZB's: the
-    asynchronous 1F1B's memory)."""
-    plan = greedy(stages, num, 2 * stages if cap is None else cap)
+    asynchronous 1F1B's memory), ready B's in :func:`greedy`'s order."""
+    plan = greedy(stages, num, 2 * stages if cap is None else cap, up_first)
     op, micro, stage = plan
     ticks = op.shape[1]
     at = op_ticks(plan, stages, num)
