@@ -10,7 +10,8 @@ give each of ``S`` devices two of ``2 S`` chunks: device ``d`` holds chunk
 ``d`` and chunk ``2 S - 1 - d``, so a micro-batch goes down the devices and
 back up, and its loss is taken on device 0. Each chunk's backward is split
 into B (the input's cotangent) and W (the weights' gradient), as in
-zero-bubble. The schedule is modeled here as the program would run it: in
+zero-bubble. The schedule is modeled on the tables the program runs
+(``jaxaccum._pipeline._v_tables.greedy``, ``schedule="v-zb"``'s): in
 ticks, each device running one chunk's F, B or W per tick (F = B = W, no
 remat), an activation or cotangent sent in one tick usable in the next (a
 collective-permute, or a device handing itself the turn at the V's tip).
@@ -42,74 +43,17 @@ import numpy as np
 from common import write_json
 
 from jaxaccum._pipeline._1f1b import OneFOneB
-from jaxaccum._pipeline._v_tables import half_plan, v_tables
-
-_NEVER = 1 << 30
-
-
-class _State:
-    """Per chunk: how many F, B and W have run, and the tick of each."""
-
-    def __init__(self, stages: int, num: int):
-        self.chunks, self.num = 2 * stages, num
-        self.done = np.zeros((3, 2 * stages), int)  # F, B, W counts
-        self.at = np.full((3, 2 * stages, num), _NEVER)
-
-    def ready(self, op: int, chunk: int, tick: int) -> bool:
-        """Whether ``chunk``'s next F (op 0) or B (op 1) may run at ``tick``."""
-        m = self.done[op, chunk]
-        if m >= self.num:
-            return False
-        if op == 0:
-            return chunk == 0 or self.at[0, chunk - 1, m] < tick
-        last = chunk == self.chunks - 1
-        return self.at[0, chunk, m] < tick and (last or self.at[1, chunk + 1, m] < tick)
-
-    def held(self, chunks: tuple[int, int]) -> int:
-        return int(sum(self.done[0, c] - self.done[2, c] for c in chunks))
-
-    def oldest_weight(self, chunks: tuple[int, int]) -> int | None:
-        pending = [c for c in chunks if self.done[2, c] < self.done[1, c]]
-        if not pending:
-            return None
-        return min(pending, key=lambda c: self.at[1, c, self.done[2, c]])
-
-
-def _choice(state: _State, device: int, tick: int, cap: int) -> tuple[int, int] | None:
-    """The (op, chunk) ``device`` runs at ``tick`` (op 0 F, 1 B, 2 W)."""
-    down, up = device, state.chunks - 1 - device
-    held = state.held((down, up))
-    weight = state.oldest_weight((up, down))
-    if held >= cap and weight is not None:
-        return 2, weight
-    backs = [c for c in (up, down) if state.ready(1, c, tick)]
-    if backs:
-        return 1, min(backs, key=lambda c: (state.done[1, c], -c))
-    if state.ready(0, up, tick) and held + 1 <= cap:
-        return 0, up
-    if state.ready(0, down, tick) and held + 2 <= cap:
-        return 0, down
-    return None if weight is None else (2, weight)
+from jaxaccum._pipeline._v_tables import greedy, half_plan, v_tables
 
 
 def v_schedule(stages: int, num: int, cap: int) -> dict:
     """The greedy V-shaped schedule's modeled window (chunk ticks) and the
-    most chunk activations a device holds at once."""
-    state = _State(stages, num)
-    tick, most = 0, 0
-    while (state.done[2] < num).any():
-        if tick > 20 * num * stages + 100:
-            raise RuntimeError(f"no progress: S={stages} M={num} cap={cap}")
-        picks = [_choice(state, d, tick, cap) for d in range(stages)]
-        for pick in picks:
-            if pick is not None:
-                op, chunk = pick
-                state.at[op, chunk, state.done[op, chunk]] = tick
-                state.done[op, chunk] += 1
-        held = [state.held((d, 2 * stages - 1 - d)) for d in range(stages)]
-        most = max(most, *held)
-        tick += 1
-    return {"chunk_ticks": tick, "held_chunks": most}
+    most chunk activations a device holds at once (F's run less W's run, at
+    the end of a tick): the tables ``schedule="v-zb"`` runs
+    (``_v_tables.greedy``) at ``cap``."""
+    op = greedy(stages, num, cap)[0]  # per device and tick: -1, 0 F, 1 B, 2 W
+    held = np.cumsum(op == 0, axis=1) - np.cumsum(op == 2, axis=1)
+    return {"chunk_ticks": int(op.shape[1]), "held_chunks": int(held.max())}
 
 
 def _row(stages: int, num: int) -> dict:

@@ -294,6 +294,7 @@ def v_tables(
         back_size=sizes["back_size"],
         loop_ticks=int(np.flatnonzero(busy)[-1]) + 1,
     )
-    for table in result[:11]:
-        table.flags.writeable = False
+    for table in result:
+        if isinstance(table, np.ndarray):
+            table.flags.writeable = False
     return result
