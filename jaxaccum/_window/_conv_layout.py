@@ -13,8 +13,11 @@ explicit transposes; where the window covers the whole input (a 1x1
 convolution's kernel gradient), a dot over the contracted axes, which needs
 at most one of the transposed copies; where XLA would swap the operands
 and reverse the window (a transposed convolution's kernel gradient), the
-swap written first (``_conv_swap``). The result is the untouched
-program's up to the order of its sums (float64 within 1e-12, tested).
+swap written first (``_conv_swap``). Each kernel gradient's transposed
+input waits for its cotangent (``_conv_order``), so that it is made in the
+backward pass, not held through the forward one. The result is the
+untouched program's up to the order of its sums (float64 within 1e-12,
+tested).
 """
 
 import functools
@@ -28,6 +31,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from jaxaccum._types import ConvLayout, Fun, PyTree
+from jaxaccum._window._conv_order import ordered
 from jaxaccum._window._conv_swap import (
     canonical_dimension_numbers,
     explicitly_sharded,
@@ -87,7 +91,7 @@ def canonical_jaxpr(jaxpr: Jaxpr, in_loop: bool = False) -> Jaxpr:
     """``jaxpr`` with each convolution inside a loop's body (``in_loop``:
     ``jaxpr`` is one) in the canonical layout, nested bodies included."""
     eqns: list[JaxprEqn] = []
-    for eqn in jaxpr.eqns:
+    for eqn in ordered(jaxpr.eqns) if in_loop else jaxpr.eqns:
         if in_loop and eqn.primitive is lax.conv_general_dilated_p:
             eqns.extend(canonical_conv(eqn))
             continue
