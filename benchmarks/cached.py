@@ -38,6 +38,7 @@ the pass-2 copy) plus the loss's own working set.
 
 import argparse
 import functools
+import random
 import timeit
 from collections.abc import Callable
 
@@ -125,17 +126,17 @@ def interleaved_seconds(
     """Seconds per step, ``rounds`` of them per contender. Each round times
     every contender in turn (three steps each), so a load that comes and goes
     on shared cores falls on all of them alike, and a round's ratio of two
-    contenders compares them under the same load. Each round starts one
-    contender later than the one before: the step that follows a large
-    one was measured up to 1.3x slower than the same program run first
-    (caches, the allocator), so no contender keeps that place."""
+    contenders compares them under the same load. Each round takes the
+    contenders in its own order (seeded): one program, timed right after
+    the full batch's step, was measured up to 1.3x slower than timed first
+    (caches, the allocator), so no contender keeps that place or that
+    neighbour."""
     times: dict[str, list[float]] = {name: [] for name in compiled}
     for fun in compiled.values():  # warm-up
         jax.block_until_ready(fun(*args))
-    order = list(compiled.items())
     for index in range(rounds):
-        start = index % len(order)
-        for name, fun in order[start:] + order[:start]:
+        order = random.Random(index).sample(list(compiled.items()), len(compiled))
+        for name, fun in order:
             step = functools.partial(lambda f: jax.block_until_ready(f(*args)), fun)
             times[name].append(
                 timeit.timeit(step, number=STEPS_PER_ROUND) / STEPS_PER_ROUND

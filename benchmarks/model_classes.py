@@ -400,17 +400,12 @@ def _compiled(step: Callable, model: ModelClass):
     return compiled or step.lower(model.params, model.batch).compile()
 
 
-def temporaries(step: Callable, model: ModelClass) -> int:
-    return _compiled(step, model).memory_analysis().temp_size_in_bytes
-
-
-def instructions(step: Callable, model: ModelClass) -> list[str]:
+def instructions(compiled) -> list[str]:
     """The compiled program's instructions, their names and source metadata
     left out: two steps with equal lists run the same program."""
-    lines = _compiled(step, model).as_text().splitlines()
     return [
         re.sub(r"%[\w.-]+|, metadata=\{[^}]*\}", "%", line)
-        for line in lines
+        for line in compiled.as_text().splitlines()
         if " = " in line
     ]
 
@@ -418,12 +413,16 @@ def instructions(step: Callable, model: ModelClass) -> list[str]:
 def measure(model: ModelClass, num: int, rounds: int, peers: bool = True) -> dict:
     steps = contenders(model, num, peers)
     times = interleaved_seconds(steps, (model.params, model.batch), rounds)
-    temps = {name: temporaries(step, model) for name, step in steps.items()}
+    compiled = {name: _compiled(step, model) for name, step in steps.items()}
+    temps = {
+        name: program.memory_analysis().temp_size_in_bytes
+        for name, program in compiled.items()
+    }
     result = against_full(times, temps)
-    if "window_traced" in steps:  # a class without convolutions: unchanged
+    if "window_traced" in compiled:  # no convolution in the loop: unchanged
         result["same_program_as_traced"] = instructions(
-            steps["window"], model
-        ) == instructions(steps["window_traced"], model)
+            compiled["window"]
+        ) == instructions(compiled["window_traced"])
     for peer, key in (("optax_microbatching", "optax"), ("window_traced", "traced")):
         if peer in times:  # round by round: a round's contenders share its load
             ratios = np.asarray(times["window"]) / np.asarray(times[peer])
