@@ -13,6 +13,8 @@ the running averages updated N times) moves the result by 1e-2 and more
 (``test_micro_batch_statistics_are_far_off`` shows how far).
 """
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -599,26 +601,31 @@ def test_memory_keeps_the_values_that_cross_a_cut(every, bound):
     assert named <= bound * full, f"{named / full:.3f}x the full batch's"
 
 
+def _flops_over_plain(make_loss, params, batch):
+    """The window's FLOPs over the axis (``make_loss(True)``) against plain
+    accumulation's (``make_loss(False)``: micro-batch statistics), N = 4,
+    counted on unrolled programs without CSE (XLA counts a loop body once)."""
+    bench = _benchmark()
+    plain, named = (
+        bench.counted(
+            jaxaccum.value_and_grad(make_loss(window), 4, unroll=True, **options),
+            params,
+            batch,
+        )
+        for window, options in ((False, {}), (True, {"axis_name": AXIS}))
+    )
+    return named / plain
+
+
 @pytest.mark.parametrize("every", [8, 1])
 def test_flops_are_one_recomputed_forward(every):
     """At most 1.40x plain accumulation's FLOPs (the same blocks with
-    micro-batch statistics), counted on unrolled programs without CSE (XLA
-    counts a loop body once); the ratio does not depend on the size."""
+    micro-batch statistics); the ratio does not depend on the size."""
     bench = _benchmark()
-    params, batch = _mlp_problem(64, 256, 8)
-    plain = bench.counted(
-        jaxaccum.value_and_grad(bench.mlp_loss(every, False), 4, unroll=True),
-        params,
-        batch,
+    ratio = _flops_over_plain(
+        functools.partial(bench.mlp_loss, every), *_mlp_problem(64, 256, 8)
     )
-    named = bench.counted(
-        jaxaccum.value_and_grad(
-            bench.mlp_loss(every, True), 4, axis_name=AXIS, unroll=True
-        ),
-        params,
-        batch,
-    )
-    assert named <= 1.40 * plain, f"{named / plain:.3f}x plain accumulation's"
+    assert ratio <= 1.40, f"{ratio:.3f}x plain accumulation's"
 
 
 def test_a_batchnorm_after_a_convolution_does_not_rerun_it():
@@ -627,23 +634,12 @@ def test_a_batchnorm_after_a_convolution_does_not_rerun_it():
     output crosses), nothing but elementwise work (the normalisations, the
     ReLUs) is recomputed, so the window's FLOPs are at most 1.05x plain
     accumulation's (recomputing each segment, as a checkpointed scan does,
-    measured 1.32x), counted as above."""
+    measured 1.32x)."""
     bench = _benchmark()
     params = bench.cnn_params((4, 8), jax.random.key(0))
     batch = {"image": jnp.zeros((16, 8, 8, 3)), "label": jnp.zeros(16, int)}
-    plain = bench.counted(
-        jaxaccum.value_and_grad(bench.cnn_loss(True, False), 4, unroll=True),
-        params,
-        batch,
-    )
-    named = bench.counted(
-        jaxaccum.value_and_grad(
-            bench.cnn_loss(True, True), 4, axis_name=AXIS, unroll=True
-        ),
-        params,
-        batch,
-    )
-    assert named <= 1.05 * plain, f"{named / plain:.3f}x plain accumulation's"
+    ratio = _flops_over_plain(functools.partial(bench.cnn_loss, True), params, batch)
+    assert ratio <= 1.05, f"{ratio:.3f}x plain accumulation's"
 
 
 def test_clip_gathered_holds_at_most_125_percent_of_the_cached_windows():
