@@ -108,12 +108,20 @@ def mlp_rows(width: int, batch_size: int, num: int, blocks: int) -> list[dict]:
         full = jax.value_and_grad(mlp_loss(every, False))
         plain = jaxaccum.value_and_grad(mlp_loss(every, False), num)
         named = jaxaccum.value_and_grad(mlp_loss(every, True), num, axis_name=AXIS)
+        # Each segment checkpointed, recomputed whole (what crosses included).
+        recomputed = jaxaccum.value_and_grad(
+            mlp_loss(every, True),
+            num,
+            axis_name=AXIS,
+            remat=jax.checkpoint_policies.nothing_saveable,
+        )
         unrolled = {"unroll": True}
         row = {
             "batchnorm_every": every,
             "full_temp_bytes": temp_bytes(full, params, batch),
             "plain_temp_bytes": temp_bytes(plain, params, batch),
             "axis_temp_bytes": temp_bytes(named, params, batch),
+            "axis_recomputed_temp_bytes": temp_bytes(recomputed, params, batch),
             "plain_flops": counted(
                 jaxaccum.value_and_grad(mlp_loss(every, False), num, **unrolled),
                 params,
@@ -129,6 +137,9 @@ def mlp_rows(width: int, batch_size: int, num: int, blocks: int) -> list[dict]:
         }
         row["axis_temp_over_full"] = row["axis_temp_bytes"] / row["full_temp_bytes"]
         row["plain_temp_over_full"] = row["plain_temp_bytes"] / row["full_temp_bytes"]
+        row["axis_recomputed_temp_over_full"] = (
+            row["axis_recomputed_temp_bytes"] / row["full_temp_bytes"]
+        )
         row["axis_temp_over_plain"] = row["axis_temp_bytes"] / row["plain_temp_bytes"]
         row["axis_flops_over_plain"] = row["axis_flops"] / row["plain_flops"]
         rows.append(row)
