@@ -397,7 +397,9 @@ def contenders(model: ModelClass, num: int, peers: bool = True) -> dict[str, Cal
 
 def _compiled(step: Callable, model: ModelClass):
     compiled = getattr(step, "memory", None)
-    return compiled or step.lower(model.params, model.batch).compile()
+    if compiled is None:
+        compiled = step.lower(model.params, model.batch).compile()
+    return compiled
 
 
 def instructions(compiled) -> list[str]:
@@ -419,7 +421,7 @@ def measure(model: ModelClass, num: int, rounds: int, peers: bool = True) -> dic
         for name, program in compiled.items()
     }
     result = against_full(times, temps)
-    if "window_traced" in compiled:  # no convolution in the loop: unchanged
+    if "window_traced" in compiled:  # without convolutions: the same program
         result["same_program_as_traced"] = instructions(
             compiled["window"]
         ) == instructions(compiled["window_traced"])
