@@ -174,14 +174,17 @@ def _inexact(array: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(array), jnp.inexact))
 
 
-def _micro(reads: list, values: list, arrays: Sequence, micro: Any) -> dict:
+def _micro(
+    reads: list, values: list, arrays: Sequence, micro: Any, traced: Traced | None
+) -> dict:
     """The segment's reads for micro-batch ``micro`` by key (a stacked one
-    indexed), at the dtype they arrive in."""
+    indexed): at the dtype ``fun`` was traced with (:func:`_cast`), or at the
+    dtype they arrive in where ``traced`` is None."""
     local = {}
     for key, value, array in zip(reads, values, arrays, strict=True):
         if value.stacked:
             array = lax.dynamic_index_in_dim(array, micro, value.axis, keepdims=False)
-        local[key] = array
+        local[key] = array if traced is None else _cast(array, key, traced)
     return local
 
 
@@ -195,8 +198,7 @@ def _scan(
     values = [env[key] for key in reads]
 
     def body(arrays: list, micro: jax.Array) -> list:
-        local = _micro(reads, values, arrays, micro)
-        local = {key: _cast(array, key, traced) for key, array in local.items()}
+        local = _micro(reads, values, arrays, micro, traced)
         _evaluate(segment, local)
         return [local[key] for key in crossing]
 
@@ -257,8 +259,7 @@ def _levelled(groups: list, env: dict, traced: Traced, window: Window) -> None:
 
     def forward(arrays: list) -> list:
         def body(carry: None, micro: jax.Array) -> tuple:
-            local = _micro(reads, values, arrays, micro)
-            local = {key: _cast(array, key, traced) for key, array in local.items()}
+            local = _micro(reads, values, arrays, micro, traced)
             _evaluate(segment, local)
             return carry, [local[key] for key in outputs]
 
@@ -305,7 +306,7 @@ def _levelled_backward(
     ]
 
     def body(acc: list, micro: jax.Array) -> tuple:
-        local = _micro(reads, values, arrays, micro)
+        local = _micro(reads, values, arrays, micro, None)
         made = {
             k: lax.dynamic_index_in_dim(s, micro, 0, False) for k, s in stacked.items()
         }

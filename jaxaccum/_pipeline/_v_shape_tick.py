@@ -338,12 +338,10 @@ def _chunks(device: Device) -> Device:
     before the loop: the down chunk's (stage ``d``) and the up chunk's,
     stage ``2 S - 1 - d``, the second row from device ``S - 1 - d`` (one
     permute), as :func:`_mirrored` lays them out."""
-    num_stages = device.schedule.num_stages
-    pairs = [(d, num_stages - 1 - d) for d in range(num_stages)]
-    axis = device.options.layout.stage_axis
+    axis, num_stages = device.options.layout.stage_axis, device.schedule.num_stages
     own = device.own_stages
     down = jax.tree.map(lambda p: p[:1], own)
-    up = jax.tree.map(lambda p: lax.ppermute(p[1:], axis, pairs), own)
+    up = jax.tree.map(lambda p: _second_row(p, axis, num_stages), own)
     return device._replace(own_stages=(down, up))
 
 
@@ -352,10 +350,16 @@ def _mirrored(stages: Any, axis: str, num_stages: int) -> Any:
     1 - d`` (one permute): the interleaved layout's stages ``d`` and ``S +
     d`` become the V's ``d`` and ``2 S - 1 - d``, and back (its own
     inverse)."""
-    pairs = [(d, num_stages - 1 - d) for d in range(num_stages)]
     return jax.tree.map(
-        lambda p: jnp.concatenate([p[:1], lax.ppermute(p[1:], axis, pairs)]), stages
+        lambda p: jnp.concatenate([p[:1], _second_row(p, axis, num_stages)]), stages
     )
+
+
+def _second_row(leaf: jax.Array, axis: str, num_stages: int) -> jax.Array:
+    """A stacked ``(2, ...)`` leaf's second row, ``(1, ...)``, from device
+    ``S - 1 - d`` (one permute)."""
+    pairs = [(d, num_stages - 1 - d) for d in range(num_stages)]
+    return lax.ppermute(leaf[1:], axis, pairs)
 
 
 def run_window(
