@@ -1,4 +1,5 @@
-"""The suite's configuration: one compilation cache per run, and ``numerics``.
+"""The suite's configuration: one compilation cache per run, XLA's backend at
+its lowest optimisation level, and ``numerics``.
 
 Compilations. Many tests compile the same program (a full-batch reference, a
 model's step at one shape); a run keeps one XLA compilation cache in a
@@ -6,6 +7,19 @@ temporary directory that its processes (pytest-xdist's workers, the 8-device
 subprocesses, the notebooks' kernels) share and that is removed at its end.
 Its key holds ``XLA_FLAGS``, so an instruction-set rerun never reuses another
 instruction set's code.
+
+Optimisation level. Most of the suite's time is XLA compiling small programs;
+LLVM at ``-O0`` compiles them in about two thirds of the time (tests/test_grad.py
+and tests/test_conv_layout.py: 99 s of process time to 65 s). The level
+changes the machine code only: every compiled program's HLO and buffer
+assignment (``memory_analysis()``) are the same at both levels (checked on
+every contender of benchmarks/model_classes.py), its float32 results may
+differ in the last bits, as between instruction sets. So the suite runs at
+``--xla_backend_optimization_level=0`` (appended to ``XLA_FLAGS``, inherited
+by every subprocess), with two exceptions at the default level: the notebooks
+(their outputs are what the docs show, timings included), and CI's
+instruction-set rerun of the claims (``JAXACCUM_TESTS_DEFAULT_LEVEL=1``), which
+proves each kind of claim where a user's program is compiled as usual.
 
 Numerics. XLA's CPU backend picks its vector code from the host, so summation
 order and fused multiply-adds (and with them float32 rounding) differ between
@@ -51,6 +65,25 @@ def _share_compilations() -> None:
 
 
 _share_compilations()
+
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+# XLA_FLAGS as the run was started: the notebooks' kernels get these.
+USER_XLA_FLAGS = "JAXACCUM_TESTS_USER_XLA_FLAGS"
+
+
+def _compile_fast() -> None:
+    """Appends ``FAST_COMPILE`` to ``XLA_FLAGS`` before any backend starts,
+    unless the run asks for the default level or sets a level itself."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("JAXACCUM_TESTS_DEFAULT_LEVEL") == "1":
+        return
+    if "xla_backend_optimization_level" in flags:
+        return  # set by the user, or by the pytest process that started this one
+    os.environ[USER_XLA_FLAGS] = flags
+    os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
+
+
+_compile_fast()
 
 # Kind of claim: the tests (node ids; a test function stands for all its
 # parameters) that prove it under each instruction set.

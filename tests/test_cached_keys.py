@@ -1,8 +1,9 @@
 """cached_value_and_grad's random state: keys in key_argnums are split per
 micro-batch as value_and_grad splits them and replayed in pass 2, bit for
-bit; per-example keys carried in the batch give the big batch's dropout at
-any N. Tolerances as tests/test_cached.py's (float32 within 1e-5 normwise,
-the same sums in another order)."""
+bit where XLA compiles at its default level; per-example keys carried in the
+batch give the big batch's dropout at any N. Tolerances as
+tests/test_cached.py's (float32 within 1e-5 normwise, the same sums in
+another order)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from cached_models import (
     big_batch,
     towers,
 )
+from tolerances import compiled_at_lowest_level
 
 import jaxaccum
 
@@ -67,9 +69,14 @@ def test_key_argnums_replays_pass_one_bitwise_in_pass_two():
     for index in range(num):
         micro = jax.tree.map(lambda x, i=index: x[i], micro_batches)
         first_pass, second_pass = seen[np.asarray(micro["image"]).tobytes()]
-        np.testing.assert_array_equal(first_pass, second_pass)
         direct = dropout_encode(params, micro, micro_keys[index])["image"]
-        np.testing.assert_array_equal(first_pass, direct)
+        for other in (second_pass, direct):
+            if compiled_at_lowest_level():
+                # The same masks (another key moves entries by O(1)), the
+                # same sums in other machine code.
+                assert_normwise_close(first_pass, other, FLOAT32_NORMWISE_TOL)
+            else:
+                np.testing.assert_array_equal(first_pass, other)
 
     # The gradient of the big batch with those masks.
     def composed(params, micro_keys):

@@ -84,6 +84,10 @@ def _keep_executed_copy(name: str, notebook: nbformat.NotebookNode) -> None:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # The kernel compiles at XLA's default level, not the suite's -O0
+    # (tests/conftest.py): the docs show what it prints, timings included.
+    if "JAXACCUM_TESTS_USER_XLA_FLAGS" in os.environ:
+        monkeypatch.setenv("XLA_FLAGS", os.environ["JAXACCUM_TESTS_USER_XLA_FLAGS"])
     notebook = nbformat.read(path, as_version=4)
     # Fail early and clearly if the kernel is not this interpreter's environment.
     notebook.cells.insert(
