@@ -16,10 +16,11 @@ assignment (``memory_analysis()``) are the same at both levels (checked on
 every contender of benchmarks/model_classes.py), its float32 results may
 differ in the last bits, as between instruction sets. So the suite runs at
 ``--xla_backend_optimization_level=0`` (appended to ``XLA_FLAGS``, inherited
-by every subprocess), with two exceptions at the default level: the notebooks
-(their outputs are what the docs show, timings included), and CI's
-instruction-set rerun of the claims (``JAXACCUM_TESTS_DEFAULT_LEVEL=1``), which
-proves each kind of claim where a user's program is compiled as usual.
+by every subprocess; tests/xla_level.py), with two exceptions at the default
+level: the notebooks (their outputs are what the docs show, timings
+included), and CI's instruction-set rerun of the claims
+(``JAXACCUM_TESTS_DEFAULT_LEVEL=1``), which proves each kind of claim where a
+user's program is compiled as usual.
 
 Numerics. XLA's CPU backend picks its vector code from the host, so summation
 order and fused multiply-adds (and with them float32 rounding) differ between
@@ -42,6 +43,7 @@ import sys
 import tempfile
 
 import pytest
+from xla_level import compile_fast
 
 
 def _share_compilations() -> None:
@@ -66,24 +68,7 @@ def _share_compilations() -> None:
 
 _share_compilations()
 
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-# XLA_FLAGS as the run was started: the notebooks' kernels get these.
-USER_XLA_FLAGS = "JAXACCUM_TESTS_USER_XLA_FLAGS"
-
-
-def _compile_fast() -> None:
-    """Appends ``FAST_COMPILE`` to ``XLA_FLAGS`` before any backend starts,
-    unless the run asks for the default level or sets a level itself."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get("JAXACCUM_TESTS_DEFAULT_LEVEL") == "1":
-        return
-    if "xla_backend_optimization_level" in flags:
-        return  # set by the user, or by the pytest process that started this one
-    os.environ[USER_XLA_FLAGS] = flags
-    os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
-
-
-_compile_fast()
+compile_fast()
 
 # Kind of claim: the tests (node ids; a test function stands for all its
 # parameters) that prove it under each instruction set.

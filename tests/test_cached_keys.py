@@ -17,7 +17,7 @@ from cached_models import (
     big_batch,
     towers,
 )
-from tolerances import compiled_at_lowest_level
+from xla_level import compiled_at_lowest_level
 
 import jaxaccum
 

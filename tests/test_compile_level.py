@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from conftest import FAST_COMPILE, USER_XLA_FLAGS
+from xla_level import FAST_COMPILE, USER_XLA_FLAGS
 
 SCRIPT = r"""
 import json, re

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+from xla_level import FAST_COMPILE
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -15,7 +17,7 @@ def _smoke(out: pathlib.Path, *options: str, timeout: float = 300) -> dict:
     """``gpu.py --smoke`` with ``options``, its results. The smoke run proves
     every contender runs, not how fast: XLA's backend at its lowest
     optimisation compiles in half the time (98 s -> 48 s)."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}"
     done = subprocess.run(
         [
             sys.executable,

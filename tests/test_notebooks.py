@@ -25,6 +25,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError
+from xla_level import USER_XLA_FLAGS
 
 NOTEBOOK_DIR = pathlib.Path(__file__).parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -86,8 +87,8 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # The kernel compiles at XLA's default level, not the suite's -O0
     # (tests/conftest.py): the docs show what it prints, timings included.
-    if "JAXACCUM_TESTS_USER_XLA_FLAGS" in os.environ:
-        monkeypatch.setenv("XLA_FLAGS", os.environ["JAXACCUM_TESTS_USER_XLA_FLAGS"])
+    if USER_XLA_FLAGS in os.environ:
+        monkeypatch.setenv("XLA_FLAGS", os.environ[USER_XLA_FLAGS])
     notebook = nbformat.read(path, as_version=4)
     # Fail early and clearly if the kernel is not this interpreter's environment.
     notebook.cells.insert(

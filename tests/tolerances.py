@@ -45,14 +45,3 @@ ATOL64 = RTOL64
 UNIT_ROUNDOFF_BF16 = 2.0**-8
 RTOL_BF16 = 2 * (2 * UNIT_ROUNDOFF_BF16)
 ATOL_BF16 = RTOL_BF16  # times sum|t_i| <= 1 on unit-scale data, as above
-
-
-def compiled_at_lowest_level() -> bool:
-    """Whether this process's XLA compiles at ``-O0`` (tests/conftest.py: the
-    suite's main run), where one computation in two programs (a forward and
-    the same forward inside a backward pass) may round differently, as on two
-    instruction sets; a claim of bit-for-bit equality between two programs is
-    proved where XLA compiles at its default level (CI's claims rerun)."""
-    import os
-
-    return "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")

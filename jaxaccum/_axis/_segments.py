@@ -304,6 +304,7 @@ def _levelled_backward(
         for a, v, d in zip(arrays, values, diff, strict=True)
         if d
     ]
+    pairs = [(k, v) for k, v, d in zip(reads, values, diff, strict=True) if d]
 
     def body(acc: list, micro: jax.Array) -> tuple:
         local = _micro(reads, values, arrays, micro, None)
@@ -318,7 +319,6 @@ def _levelled_backward(
         for eqns, outs in reversed(groups):
             _level_vjp(eqns, outs, local, made, ct, traced)
         out = []
-        pairs = [(k, v) for k, v, d in zip(reads, values, diff, strict=True) if d]
         for (key, value), array in zip(pairs, acc, strict=True):
             got = ct.get(key, jnp.zeros_like(local[key])).astype(array.dtype)
             if value.stacked:
