@@ -19,7 +19,9 @@ and inboxes, and its modeled window against the asynchronous ZB-H1's
 ``3 M + S - 1``; and per (model, stage, remat) the flatness in M (M = 8S
 against M = 2S). Interleaved 1F1B (``repeats=2``: 2S chunks of 1 or 2
 layers, without remat) against 1F1B on the same layers (S stages of twice
-the chunk's layers): its temporaries, their ratio, its flatness in M. The
+the chunk's layers): its temporaries, their ratio, its flatness in M, each
+also with the stages stacked as the devices hold them (``stage_order=
+"device"``: no relayout, each op reading its chunk in place). The
 V schedules (``"v-zb"`` and ``"v-half"``, ``repeats=2``, without remat: not
 built) on the same 2S chunks, against the same 1F1B: their temporaries,
 ratios, slots (residual ring, stored boundaries, inboxes, in chunk
@@ -110,11 +112,21 @@ def model(name: str, layers: int, rows: int, repeats: int = 1) -> tuple:
 
 
 def temporaries(
-    name: str, layers: int, num: int, schedule: str, remat: bool, repeats: int = 1
+    name: str,
+    layers: int,
+    num: int,
+    schedule: str,
+    remat: bool,
+    repeats: int = 1,
+    stage_order: str = "model",
 ) -> float:
-    """The step's temporaries per device, in the model's activations."""
+    """The step's temporaries per device, in the model's activations (the
+    stages stacked in ``stage_order``)."""
     mesh = jax.make_mesh((STAGES, DATA), ("stage", "data"))
     params, batch = model(name, layers, ROWS * num * DATA, repeats)
+    if stage_order == "device":
+        order = jaxaccum.pipeline_stage_order(STAGES, repeats, schedule)
+        params = (params[0], jax.tree.map(lambda p: p[order], params[1]), params[2])
     replicated, staged = NamedSharding(mesh, P()), NamedSharding(mesh, P("stage"))
     params = jax.device_put(params, (replicated, staged, replicated))
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -128,6 +140,7 @@ def temporaries(
         schedule=schedule,
         remat=remat,
         repeats=repeats,
+        stage_order=stage_order,
     )
     compiled = jax.jit(step).lower(params, batch).compile()
     activation = ROWS * MODELS[name][0] * 4
@@ -158,21 +171,25 @@ def chunked_rows(name: str, layers: int, num: int) -> dict:
     (stages of ``2 layers``): ``{schedule: row}``."""
     one = temporaries(name, 2 * layers, num, "1f1b", False)
     mine = temporaries(name, layers, num, "1f1b", False, repeats=2)
+    held = temporaries(name, layers, num, "1f1b", False, 2, "device")
     rows = {
         "interleaved": {
             "interleaved_temp_activations": mine,
             "one_f_one_b_temp_activations": one,
             "ratio": mine / one,
+            "device_order": {"temp_activations": held, "ratio": held / one},
         }
     }
     for cls in (VShape, VHalf):
         temps = temporaries(name, layers, num, cls.name, False, repeats=2)
+        held = temporaries(name, layers, num, cls.name, False, 2, "device")
         schedule = cls(STAGES, num, 2)
         tables = schedule.tables()
         rows[cls.name] = {
             "temp_activations": temps,
             "one_f_one_b_temp_activations": one,
             "ratio": temps / one,
+            "device_order": {"temp_activations": held, "ratio": held / one},
             "slots_chunk_activations": {
                 "ring": tables.ring_size,
                 "stored": tables.stored_size,
@@ -212,6 +229,11 @@ def main() -> None:
                 rows[f"{config}_M{f * STAGES}"][key] for f in (FACTORS[0], FACTORS[-1])
             )
             flat[config] = big / small
+            small, big = (
+                rows[f"{config}_M{f * STAGES}"]["device_order"]["temp_activations"]
+                for f in (FACTORS[0], FACTORS[-1])
+            )
+            flat[f"{config}_device_order"] = big / small
     write_json(
         "pipeline_memory",
         {

@@ -23,6 +23,7 @@ from jaxaccum._multisteps._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps._state import MultiStepsState as MultiStepsState
 from jaxaccum._pipeline import PipelinePlan as PipelinePlan
 from jaxaccum._pipeline import PipelinePlanRow as PipelinePlanRow
+from jaxaccum._pipeline import pipeline_stage_order as pipeline_stage_order
 from jaxaccum._pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from jaxaccum._pipeline import plan_pipeline as plan_pipeline
 from jaxaccum._plan._memory_budget import parse_memory_budget as parse_memory_budget
@@ -40,6 +41,7 @@ from jaxaccum._precision._loss_scale import update_loss_scale as update_loss_sca
 from jaxaccum._shard._shard import shard_batch as shard_batch
 from jaxaccum._shard._shard import shard_value_and_grad as shard_value_and_grad
 from jaxaccum._types import ScheduleName as ScheduleName
+from jaxaccum._types import StageOrder as StageOrder
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
 from jaxaccum._window._batch_nodes import register_batch_node as register_batch_node
@@ -73,6 +75,7 @@ __all__ = [
     "PipelinePlan",
     "PipelinePlanRow",
     "ScheduleName",
+    "StageOrder",
     "WindowStats",
     "accumulate",
     "cached_value_and_grad",
@@ -83,6 +86,7 @@ __all__ = [
     "masked_sum",
     "pad_microbatches",
     "parse_memory_budget",
+    "pipeline_stage_order",
     "pipeline_value_and_grad",
     "plan",
     "plan_modes",

@@ -58,6 +58,8 @@ REDUCTIONS: tuple[str, ...] = typing.get_args(Reduction)
 AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
 SHARD_MODES: tuple[str, ...] = typing.get_args(ShardMode)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
+StageOrder = Literal["model", "device"]
+STAGE_ORDERS: tuple[str, ...] = typing.get_args(StageOrder)
 AXIS_LAYOUTS: tuple[str, ...] = typing.get_args(AxisLayout)
 CONV_LAYOUTS: tuple[str, ...] = typing.get_args(ConvLayout)
 

@@ -11,7 +11,7 @@ import re
 
 import chex
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_checks import (
     BATCH,
@@ -23,6 +23,7 @@ from pipeline_checks import (
     WIDE_ROWS,
     Case,
     check_bfloat16,
+    check_device_order,
     check_drawn_against,
     check_exact,
     check_float64,
@@ -250,6 +251,10 @@ CHECKS = {
     "against_1f1b": check_against_1f1b,
     "memory_and_flops": check_memory_and_flops,
     "no_parameter_copies": check_no_parameter_copies,
+    "device_order_fsdp_R3": lambda: check_device_order("stage2_fsdp4_M5_R3", SCHEDULE),
+    "device_order_circular_gpipe_auto_mesh": lambda: check_device_order(
+        "stage4_data2_M8_R2", "gpipe", AxisType.Auto
+    ),
 }
 
 

@@ -174,6 +174,8 @@ CHECKS = [
     "interleaved_against_1f1b",
     "interleaved_memory_and_flops",
     "interleaved_no_parameter_copies",
+    "interleaved_device_order_fsdp_R3",
+    "interleaved_device_order_circular_gpipe_auto_mesh",
 ]
 
 
@@ -1258,3 +1260,38 @@ def main():
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def check_device_order(name, schedule, axis_type=AxisType.Explicit):
+    """``stage_order="device"``: the stages stacked as the devices hold them
+    (``pipeline_stage_order``), float64: the gradients are the sequential
+    model's, in the same order (the reference's permuted); no parameter is
+    relaid out: no all-to-all, and no collective-permute outside the loop
+    (the model order's relayout has both for ``R > 1``)."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        case = make_case(name, np.float64, axis_type=axis_type, schedule=schedule)
+        order = jaxaccum.pipeline_stage_order(case.num_stages, case.repeats, schedule)
+        params, batch = case.placed
+        held = jax.tree.map(  # on the host, then placed as the stages were
+            lambda p: jax.device_put(np.asarray(p)[order], p.sharding), params[1]
+        )
+        step = pipelined(case, stage_order="device")
+        compiled, out = compiled_run(step, (params[0], held, params[2]), batch)
+        loss, grads = reference(case)
+        stages = jax.tree.map(lambda g: g[order], grads[1])
+        expected = (loss, (grads[0], stages, grads[2]))
+        rtol = tolerance(2.0**-53, layers=case.layers, batch=max(case.rows, BATCH))
+        chex.assert_trees_all_close(out, expected, rtol=rtol, atol=rtol)
+        error = max_error(out, expected)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    found = find_collectives(compiled)
+    moved = [
+        c
+        for c in found
+        if c.op == "all-to-all" or (c.op == "collective-permute" and not c.in_loop)
+    ]
+    assert not moved, moved
+    in_loop = sorted({c.op for c in found if c.in_loop})
+    return f"max error {error:.2e} (tol {rtol:.1e}); in the loop: {in_loop}, none moved"

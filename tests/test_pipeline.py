@@ -196,18 +196,23 @@ def window_reference(params, batch, reduction, key=None, layers=1):
     stats=st.booleans(),
     by_size=st.booleans(),
     schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble", "v-zb", "v-half"]),
+    stage_order=st.sampled_from(["model", "device"]),
 )
 def test_options_against_the_window_reference(
-    repeats, reduction, with_key, remat, stats, by_size, schedule
+    repeats, reduction, with_key, remat, stats, by_size, schedule, stage_order
 ):
     """Every combination of repeats, reduction (with aux), keys, remat,
-    report_stats, M given as a count or a size and the schedule (1F1B, at
+    report_stats, M given as a count or a size, the schedule (1F1B, at
     R = 2 interleaved; zero-bubble at R = 1; the V's at R = 2 without remat)
-    equals the micro-batch by micro-batch reference (RTOL of
-    pipeline_checks.py: the same sums in another order)."""
+    and the stacked stages' order equals the micro-batch by micro-batch
+    reference (RTOL of pipeline_checks.py: the same sums in another order).
+    On one device the two orders are one; the 8-device scripts permute
+    (check_device_order)."""
     assume(schedule != "zero-bubble" or repeats == 1)
     assume(not schedule.startswith("v-") or (repeats == 2 and not remat))
     params, batch = one_device_case(repeats)
+    order = jaxaccum.pipeline_stage_order(1, repeats, schedule)
+    assert order.tolist() == list(range(repeats))
     key = jax.random.key(3) if with_key else None
     weighted = reduction == "weighted"
     rows = jax.tree.leaves(batch)[0].shape[0]
@@ -224,6 +229,7 @@ def test_options_against_the_window_reference(
         remat=remat,
         report_stats=stats,
         schedule=schedule,
+        stage_order=stage_order,
     )
     out = jax.jit(step)(params, batch, key)
     if stats:
@@ -380,6 +386,7 @@ def test_a_weighted_loss_that_is_not_a_pair():
         ({"repeats": 0}, "repeats must be >= 1"),
         ({"data_axis": "stage"}, "both 'stage'"),
         ({"schedule": "zb"}, "schedule must be one of"),
+        ({"stage_order": "devices"}, "stage_order must be one of"),
         (
             {"schedule": "zero-bubble", "repeats": 2},
             r"schedule='zero-bubble' with repeats=2 is not built",
@@ -389,6 +396,33 @@ def test_a_weighted_loss_that_is_not_a_pair():
 def test_bad_options_fail_at_construction(options, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build(**options)
+
+
+@pytest.mark.parametrize(
+    ("stages", "repeats", "schedule", "expected"),
+    [
+        (4, 1, "1f1b", [0, 1, 2, 3]),
+        (4, 2, "1f1b", [0, 4, 1, 5, 2, 6, 3, 7]),
+        (2, 3, "gpipe", [0, 2, 4, 1, 3, 5]),
+        (4, 2, "v-zb", [0, 7, 1, 6, 2, 5, 3, 4]),
+        (3, 2, "v-half", [0, 5, 1, 4, 2, 3]),
+    ],
+)
+def test_device_order_is_each_devices_stages_in_the_order_it_runs_them(
+    stages, repeats, schedule, expected
+):
+    """Row d R + r of the device order is the r-th stage device d runs:
+    r S + d, on the V d then 2 S - 1 - d (a permutation of the stages)."""
+    order = jaxaccum.pipeline_stage_order(stages, repeats, schedule)
+    assert order.tolist() == expected
+    assert sorted(order.tolist()) == list(range(stages * repeats))
+
+
+def test_device_order_refuses_what_its_schedule_refuses():
+    with pytest.raises(ValueError, match="repeats=2 only"):
+        jaxaccum.pipeline_stage_order(4, 3, "v-zb")
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        jaxaccum.pipeline_stage_order(0, 2, "1f1b")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from pipeline_checks import (
     WIDE_ROWS,
     Case,
     activation_bytes,
+    check_device_order,
     check_drawn_against,
     check_float64,
     check_loss_scale,
@@ -78,6 +79,8 @@ CHECKS = [
     "v_half_nan_bubbles_skipped_and_masked",
     "v_half_memory_flat_in_M",
     "v_half_drawn_options_agree",
+    "device_order_stage2_fsdp4_M4_R2",
+    "v_half_device_order_stage4_data2_M8_R2",
 ]
 
 
@@ -204,6 +207,10 @@ def run(name: str) -> str:
     }
     if name in checks:
         return checks[name]()
+    if name.startswith("v_half_device_order_"):
+        return check_device_order(name.removeprefix("v_half_device_order_"), "v-half")
+    if name.startswith("device_order_"):
+        return check_device_order(name.removeprefix("device_order_"), SCHEDULE)
     if name.startswith("v_half_float64_"):
         return check_float64(name.removeprefix("v_half_float64_"), "v-half")
     if name.startswith("v_half_collectives_"):

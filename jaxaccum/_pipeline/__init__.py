@@ -60,4 +60,7 @@ schedule and ``remat`` for a memory budget).
 from jaxaccum._pipeline._plan import plan_pipeline as plan_pipeline
 from jaxaccum._pipeline._plan_result import PipelinePlan as PipelinePlan
 from jaxaccum._pipeline._plan_result import PipelinePlanRow as PipelinePlanRow
+from jaxaccum._pipeline._stage_order import (
+    pipeline_stage_order as pipeline_stage_order,
+)
 from jaxaccum._pipeline._step import pipeline_value_and_grad as pipeline_value_and_grad

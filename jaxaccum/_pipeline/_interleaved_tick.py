@@ -31,6 +31,7 @@ from jaxaccum._pipeline._1f1b_tick import (
     stage_call,
     unshare,
 )
+from jaxaccum._pipeline._chunk_params import held, on_chunk, read, split
 from jaxaccum._pipeline._device import (
     Device,
     Static,
@@ -73,17 +74,20 @@ def _ticks_of(device: Device) -> InterleavedTicks:
 
 
 def _chunks(device: Device) -> Device:
-    """``device`` with its ``R`` stages as ``R`` arrays, ``(1, ...)`` each
-    (split once, before the loop): a stage slot's :func:`_on_chunk` reads its
-    repeat's whole, where a slice of the ``(R, ...)`` stack taken at the
-    tick's repeat would be copied every tick (XLA:CPU materialises a
-    dynamic slice that feeds a dot)."""
+    """``device`` with its ``R`` chunks (:class:`Chunks`), each read whole
+    by a stage slot's :func:`_on_chunk` (a slice of the ``(R, ...)`` stack
+    taken at the tick's repeat would be copied every tick: XLA:CPU
+    materialises a dynamic slice that feeds a dot). In device order the
+    rows of the stack as given; in model order (relaid out, a copy
+    already) split into ``R`` arrays before the loop."""
     repeats = _ticks_of(device).repeats
     own = device.own_stages
+    if device.options.layout.stage_order == "device":
+        return device._replace(own_stages=held(own, repeats))
     parts = tuple(
         jax.tree.map(lambda p, r=r: p[r : r + 1], own) for r in range(repeats)
     )
-    return device._replace(own_stages=parts)
+    return device._replace(own_stages=split(parts))
 
 
 def _key(device: Device, index: Any, repeat: Any) -> Any:
@@ -94,15 +98,15 @@ def _key(device: Device, index: Any, repeat: Any) -> Any:
 
 def _on_chunk(device: Device, repeat: Any, fn: Any, *operands: Any) -> Any:
     """``fn(own, *operands)`` on the ``(1, ...)`` stage parameters of this
-    device's ``repeat`` (:func:`_chunks`): a ``lax.switch`` whose branch
-    ``r`` reads chunk ``r`` whole, no parameter copied per tick."""
+    device's ``repeat`` (:func:`~jaxaccum._pipeline._chunk_params.on_chunk`:
+    a ``lax.switch`` whose branch reads its chunk at a static index, no
+    parameter copied per tick)."""
     axes = axes_of(device)
 
-    def branch(r: int):
-        return lambda parts, *ops: varying(fn(parts[r], *ops), axes)
+    def run(own: Any, *ops: Any) -> Any:
+        return varying(fn(own, *ops), axes)
 
-    branches = [branch(r) for r in range(len(device.own_stages))]
-    return lax.switch(repeat, branches, device.own_stages, *operands)
+    return on_chunk(device.own_stages, repeat, run, *operands)
 
 
 def _table(device: Device, name: str, tick: Any) -> jax.Array:
@@ -245,7 +249,7 @@ def run_window(
     window = make_window(static, skip, params, batch, key, loss_scale)
     window = window._replace(device=_chunks(window.device))
     # a stage of repeat 0: the ring's slots
-    first = (window.device.own_stages[0], _key(window.device, 0, 0))
+    first = (read(window.device.own_stages, 0), _key(window.device, 0, 0))
     carry, per_tick = lax.scan(
         lambda c, t: _one_tick(window, c, t),
         initial_carry(window, static.shapes, first),

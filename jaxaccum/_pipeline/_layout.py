@@ -213,6 +213,7 @@ class Prepared(NamedTuple):
       fsdp_dims: like ``params``, per leaf the dimension its parameter is
         sharded over the data axis on (FSDP: gathered once per window), or
         -1; a stage leaf's counts its stacking axis.
+      stage_order: ``"model"`` or ``"device"``, the stacked stages' order.
     """
 
     mesh: Any
@@ -224,6 +225,7 @@ class Prepared(NamedTuple):
     stage_axis: str
     like: tuple
     fsdp_dims: tuple
+    stage_order: str = "model"
 
 
 def prepare(
@@ -256,6 +258,7 @@ def prepare(
         options.layout.stage_axis,
         like,
         _fsdp_dims((embed, stages, head), options),
+        options.layout.stage_order,
     )
 
 
@@ -321,8 +324,9 @@ def refuse_fp8_metadata(params: tuple) -> None:
 
 def like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
     """Gradients in the parameters' dtypes, shapes (the stages back from
-    their ``(R, S, ...)`` layout) and, on an Explicit mesh, shardings: a
-    parameter's own, else the pipeline's (stages over the stage axis)."""
+    their ``(R, S, ...)`` layout to the parameters' stage order) and, on an
+    Explicit mesh, shardings: a parameter's own, else the pipeline's (stages
+    over the stage axis)."""
     mesh = prepared.mesh
     stage_spec = PartitionSpec(prepared.stage_axis)
 
@@ -338,6 +342,8 @@ def like_params(grads: tuple, params: tuple, prepared: Prepared) -> tuple:
         return jax.sharding.reshard(grad, sharding)
 
     embed, stages, head = grads
+    if prepared.stage_order == "device":  # (R, S, ...) to (S, R, ...): local
+        stages = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1), stages)
     return (
         jax.tree.map(lambda g, p: like(g, p, PartitionSpec()), embed, params[0]),
         jax.tree.map(lambda g, p: like(g, p, stage_spec), stages, params[1]),

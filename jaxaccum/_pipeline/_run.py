@@ -5,6 +5,7 @@ and :class:`Raw`, the sums and gradient before normalisation."""
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxaccum._pipeline._calls import LossOut
@@ -82,16 +83,10 @@ class Run(NamedTuple):
         accumulate and are reduced in it); the batch over the data axis, the
         key replicated."""
         prepared, options = self.prepared, self.options
-        mesh, schedule = prepared.mesh, prepared.schedule
+        mesh = prepared.mesh
         specs = self.params_specs()
         embed, stages, head = params
-        stages = jax.tree.map(
-            lambda p, spec: reshape(
-                p, (schedule.repeats, schedule.num_stages, *p.shape[1:]), mesh, spec
-            ),
-            stages,
-            specs[1],
-        )
+        stages = jax.tree.map(self._stacked, stages, specs[1])
         embed, head = (
             jax.tree.map(lambda p, spec: place(p, mesh, spec), tree, tree_specs)
             for tree, tree_specs in ((embed, specs[0]), (head, specs[2]))
@@ -102,6 +97,19 @@ class Run(NamedTuple):
         )
         batch = place(batch, mesh, PartitionSpec(options.layout.data_axis))
         return params, batch, place(key, mesh, PartitionSpec())
+
+    def _stacked(self, stage: jax.Array, spec: PartitionSpec) -> jax.Array:
+        """A stacked ``(S R, ...)`` leaf as ``(R, S, ...)``, ``spec``'s
+        layout: from model order a reshape (XLA moves rows between the
+        devices when ``R > 1``), from device order a reshape and a transpose
+        that leave each device its own rows."""
+        mesh, schedule = self.prepared.mesh, self.prepared.schedule
+        repeats, stages = schedule.repeats, schedule.num_stages
+        if self.options.layout.stage_order == "model":
+            return reshape(stage, (repeats, stages, *stage.shape[1:]), mesh, spec)
+        own = PartitionSpec(spec[1], spec[0], *spec[2:])
+        held = reshape(stage, (stages, repeats, *stage.shape[1:]), mesh, own)
+        return place(jnp.swapaxes(held, 0, 1), mesh, spec)
 
 
 class Raw(NamedTuple):

@@ -73,6 +73,12 @@ class Schedule(abc.ABC):
         del repeats
 
     @classmethod
+    def stage_on(cls, num_stages: int, device: int, repeat: int) -> int:
+        """The model stage device ``device`` runs as its ``repeat``-th:
+        ``repeat S + device``."""
+        return repeat * num_stages + device
+
+    @classmethod
     def check_remat(cls, remat: Any) -> None:
         """Refuses a ``remat`` the schedule is not built for, saying why
         (every ``remat`` is, unless a schedule says otherwise)."""

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 
 from jaxaccum._checks import check_positive_int
-from jaxaccum._types import SCHEDULES, ScheduleName
+from jaxaccum._types import SCHEDULES, STAGE_ORDERS, ScheduleName, StageOrder
 from jaxaccum._window._spec import WindowSpec
 
 # The aux reductions of a pipeline: each micro-batch's aux is computed on the
@@ -25,18 +25,29 @@ class PipelineLayout:
       data_axis: the mesh axis the batch is sharded over, or None.
       repeats: ``R``, stages per device (circular schedule when > 1).
       schedule: the name of a schedule in ``_schedules.SCHEDULES``.
+      stage_order: how the ``S R`` stacked stages are ordered: ``"model"``
+        (row ``i`` is model stage ``i``) or ``"device"`` (row ``d R + r`` is
+        the ``r``-th stage device ``d`` runs: :func:`stage_permutation`).
     """
 
     stage_axis: str = "stage"
     data_axis: str | None = None
     repeats: int = 1
     schedule: ScheduleName = "gpipe"
+    stage_order: StageOrder = "model"
 
     def __post_init__(self) -> None:
         check_positive_int("repeats", self.repeats)
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"schedule must be one of {SCHEDULES}, got {self.schedule!r}."
+            )
+        if self.stage_order not in STAGE_ORDERS:
+            raise ValueError(
+                f"stage_order must be one of {STAGE_ORDERS}, got "
+                f'{self.stage_order!r}: "model" stacks the stages in model '
+                'order, "device" as the devices hold them '
+                "(jaxaccum.pipeline_stage_order)."
             )
         for name in ("stage_axis", "data_axis"):
             value = getattr(self, name)

@@ -25,7 +25,15 @@ from jaxaccum._pipeline._schedules import schedule_on, schedule_type
 from jaxaccum._pipeline._spec import PIPELINE_REFUSED, PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._stats import probed, window_report
 from jaxaccum._precision._loss_scale import loss_scale_report, pop_loss_scale
-from jaxaccum._types import Batch, Fun, Params, PipelineKwargs, PyTree, ScheduleName
+from jaxaccum._types import (
+    Batch,
+    Fun,
+    Params,
+    PipelineKwargs,
+    PyTree,
+    ScheduleName,
+    StageOrder,
+)
 from jaxaccum._window._aux_plan import AuxPlan
 from jaxaccum._window._call_checks import check_differentiable
 from jaxaccum._window._conv_layout import window_kernels
@@ -120,6 +128,7 @@ def pipeline_value_and_grad(
     data_axis: str | None = None,
     repeats: int = 1,
     schedule: ScheduleName = "gpipe",
+    stage_order: StageOrder = "model",
     **options: Unpack[PipelineKwargs],
 ) -> Fun:
     """Returns a pipelined ``step(params, batch, key=None) -> (loss, grads)``.
@@ -142,6 +151,10 @@ def pipeline_value_and_grad(
       schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"``, ``"1f1b"``
         (interleaved with ``R > 1``), ``"zero-bubble"`` (``repeats=1`` only),
         ``"v-zb"`` or ``"v-half"`` (V-shaped, ``repeats=2``): see the guide.
+      stage_order: ``"model"``: stage ``i`` of the stack is model stage ``i``;
+        ``"device"``: as the devices hold them
+        (:func:`jaxaccum.pipeline_stage_order`), so that with ``R > 1`` no
+        parameter is relaid out; the gradients come back in the same order.
       **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:
@@ -182,7 +195,7 @@ def pipeline_value_and_grad(
       >>> jax.tree.map(lambda a, b: bool(jnp.allclose(a, b)), (loss, grads), expected)
       (True, (True, True, True))
     """
-    layout = PipelineLayout(stage_axis, data_axis, repeats, schedule)
+    layout = PipelineLayout(stage_axis, data_axis, repeats, schedule, stage_order)
     accum = PipelineWindow.create(
         "pipeline_value_and_grad",
         num_microbatches,

@@ -8,12 +8,13 @@ and W as zero-bubble's is; each tick a device runs one F, B or W of one of
 its two chunks (the greedy tables of ``_v_tables``, at most ``2 S`` chunk
 activations held from F to W), with four neighbour permutes.
 
-The stacked stage parameters (``2 S`` of them, stage ``i`` at index ``i``)
-are laid out ``(2, S, ...)`` as interleaved 1F1B's are (device ``d`` gets
-stages ``d`` and ``S + d``); the device body mirrors the second row over
-the stage axis by one permute before its loop (device ``d`` then holds
-stage ``2 S - 1 - d``) and the gradient back by one after it. Without
-remat only.
+The stacked stage parameters in model order (``2 S`` of them, stage ``i``
+at index ``i``) are laid out ``(2, S, ...)`` as interleaved 1F1B's are
+(device ``d`` gets stages ``d`` and ``S + d``); the device body mirrors the
+second row over the stage axis by one permute before its loop (device
+``d`` then holds stage ``2 S - 1 - d``) and the gradient back by one after
+it. In device order (``stage_order="device"``) the second row already is
+stage ``2 S - 1 - d``: nothing moves. Without remat only.
 
 ``schedule="v-half"`` is the same program with fewer chunk activations held
 (Qi et al.'s V-Half): the least cap whose modeled window is no longer than
@@ -51,6 +52,11 @@ class VShape(OneFOneB):
                 "F = B = W and its B does not recompute the forward. Use "
                 "remat=False, or schedule='zero-bubble' or '1f1b' with remat."
             )
+
+    @classmethod
+    def stage_on(cls, num_stages: int, device: int, repeat: int) -> int:
+        """Down the V then back up: stage ``d``, then ``2 S - 1 - d``."""
+        return device if repeat == 0 else 2 * num_stages - 1 - device
 
     @classmethod
     def check_repeats(cls, repeats: int) -> None:

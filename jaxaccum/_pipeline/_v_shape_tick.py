@@ -37,6 +37,7 @@ from jaxaccum._pipeline._1f1b_tick import (
     stage_call,
     unshare,
 )
+from jaxaccum._pipeline._chunk_params import held, on_chunk, read, split
 from jaxaccum._pipeline._device import Device, Static, microbatch_key, select, varying
 from jaxaccum._pipeline._schedule import Tick
 from jaxaccum._pipeline._v_tables import VTables
@@ -98,21 +99,20 @@ def _row(device: Device, name: str, tick: Any) -> jax.Array:
 def _on_chunk(
     device: Device, index: Any, chunk: Any, fn: Callable[..., Any], *operands: Any
 ) -> Any:
-    """``fn((own, key), *operands)`` on micro-batch ``index`` at ``chunk``: a
-    ``lax.switch`` whose branch reads the chunk's ``(1, ...)`` stage
-    parameters whole (``device.own_stages``, the two chunks split before the
-    loop, :func:`_chunks`: a dynamic slice of the stack would be copied every
-    tick), with the key of its model stage (``d``, or ``2 S - 1 - d`` for
-    the up chunk)."""
+    """``fn((own, key), *operands)`` on micro-batch ``index`` at ``chunk``
+    (:func:`~jaxaccum._pipeline._chunk_params.on_chunk`: a ``lax.switch``
+    whose branch reads its chunk's parameters at a static index, of
+    ``device.own_stages``, :func:`_chunks`), with the key of its model stage
+    (``d``, or ``2 S - 1 - d`` for the up chunk)."""
     last = 2 * device.schedule.num_stages - 1
     layer = jnp.where(chunk == 0, device.stage, last - device.stage)
     key = microbatch_key(device, index, layer)
     axes = axes_of(device)
 
-    def branch(c: int):
-        return lambda parts, key, *ops: varying(fn((parts[c], key), *ops), axes)
+    def run(own: Any, key: Any, *ops: Any) -> Any:
+        return varying(fn((own, key), *ops), axes)
 
-    return lax.switch(chunk, [branch(0), branch(1)], device.own_stages, key, *operands)
+    return on_chunk(device.own_stages, chunk, run, key, *operands)
 
 
 def _write(slots: Any, value: Any, slot: Any) -> Any:
@@ -330,19 +330,22 @@ def _initial(window: Window, static: Static, boundary: list) -> Carry:
 def _first(device: Device) -> tuple:
     """A down chunk's ``(stage parameters, key)``: what the ring's and the
     stored boundaries' slots are shaped by."""
-    return device.own_stages[0], microbatch_key(device, 0, device.stage)
+    return read(device.own_stages, 0), microbatch_key(device, 0, device.stage)
 
 
 def _chunks(device: Device) -> Device:
-    """``device`` with its two stages as two ``(1, ...)`` arrays, split once
-    before the loop: the down chunk's (stage ``d``) and the up chunk's,
-    stage ``2 S - 1 - d``, the second row from device ``S - 1 - d`` (one
-    permute), as :func:`_mirrored` lays them out."""
-    axis, num_stages = device.options.layout.stage_axis, device.schedule.num_stages
+    """``device`` with its two chunks (:class:`Chunks`): the down chunk's
+    stage ``d`` and the up chunk's, ``2 S - 1 - d``. In device order the
+    rows of its stack as given; in model order split before the loop, the
+    second row from device ``S - 1 - d`` (one permute, as :func:`_mirrored`
+    lays them out)."""
+    layout, num_stages = device.options.layout, device.schedule.num_stages
     own = device.own_stages
+    if layout.stage_order == "device":
+        return device._replace(own_stages=held(own, 2))
     down = jax.tree.map(lambda p: p[:1], own)
-    up = jax.tree.map(lambda p: _second_row(p, axis, num_stages), own)
-    return device._replace(own_stages=(down, up))
+    up = jax.tree.map(lambda p: _second_row(p, layout.stage_axis, num_stages), own)
+    return device._replace(own_stages=split((down, up)))
 
 
 def _mirrored(stages: Any, axis: str, num_stages: int) -> Any:
@@ -382,5 +385,7 @@ def run_window(
     sums, per_micro, grads, probes = window_results(
         carry, per_tick, schedule, static.fsdp_dims, options
     )
-    mirrored = _mirrored(grads[1], options.layout.stage_axis, schedule.num_stages)
-    return sums, per_micro, (grads[0], mirrored, grads[2]), probes
+    stages = grads[1]
+    if options.layout.stage_order == "model":
+        stages = _mirrored(stages, options.layout.stage_axis, schedule.num_stages)
+    return sums, per_micro, (grads[0], stages, grads[2]), probes
