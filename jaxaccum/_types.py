@@ -59,6 +59,11 @@ AUX_REDUCTIONS: tuple[str, ...] = typing.get_args(AuxReduction)
 SHARD_MODES: tuple[str, ...] = typing.get_args(ShardMode)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 StageOrder = Literal["model", "device"]
+"""How :func:`jaxaccum.pipeline_value_and_grad`'s ``S R`` stacked stages
+are ordered (its ``stage_order=``): ``"model"``, row ``i`` is model stage
+``i``; ``"device"``, row ``d R + r`` is the ``r``-th stage device ``d`` runs
+(:func:`jaxaccum.pipeline_stage_order`), so no parameter is relaid out.
+Guide: [Pipeline parallelism](../guides/pipeline.md#device-order)."""
 STAGE_ORDERS: tuple[str, ...] = typing.get_args(StageOrder)
 AXIS_LAYOUTS: tuple[str, ...] = typing.get_args(AxisLayout)
 CONV_LAYOUTS: tuple[str, ...] = typing.get_args(ConvLayout)
