@@ -50,6 +50,7 @@ from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow
 from jaxaccum._pipeline._step import make_pipeline
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
 from jaxaccum._plan._hlo import collective_bytes, find_collectives, window_bytes
+from jaxaccum._types import STAGE_ORDERS
 
 INPUTS, FEATURES, OUTPUTS = 4, 16, 2
 ROWS = 4  # rows of one micro-batch on one data shard
@@ -175,6 +176,7 @@ CHECKS = [
     "interleaved_memory_and_flops",
     "interleaved_no_parameter_copies",
     "interleaved_device_order_fsdp_R3",
+    "plan_pipeline_device_order",
     "interleaved_device_order_circular_gpipe_auto_mesh",
 ]
 
@@ -1240,6 +1242,7 @@ def _run(name):
         "bubble_and_nested_flops": check_flops,
         "memory_per_device": check_memory,
         "plan_pipeline_stage4_data2": check_plan_pipeline,
+        "plan_pipeline_device_order": check_plan_pipeline_device_order,
         "transformer_loss_curve": check_transformer,
         "1f1b_float64": check_one_f_one_b_float64,
         "1f1b_nan_bubbles_skipped_and_masked": check_one_f_one_b_nan,
@@ -1256,10 +1259,6 @@ def _run(name):
 
 def main():
     report(CHECKS, run, 8)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def check_device_order(name, schedule, axis_type=AxisType.Explicit):
@@ -1295,3 +1294,42 @@ def check_device_order(name, schedule, axis_type=AxisType.Explicit):
     assert not moved, moved
     in_loop = sorted({c.op for c in found if c.in_loop})
     return f"max error {error:.2e} (tol {rtol:.1e}); in the loop: {in_loop}, none moved"
+
+
+def check_plan_pipeline_device_order():
+    """plan_pipeline(stage_order="device") compiles each schedule's
+    device-order program: at stage=4 x data=2, R = 2, M = 8, v-half's and
+    interleaved 1F1B's footprints below model order's (the relaid copy of
+    the stages not held; the parameters' shapes are the same in both
+    orders, so one stack plans both)."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(AxisType.Explicit,) * 2)
+    params = jax.device_put(
+        make_params(8), tuple(NamedSharding(mesh, spec) for spec in param_specs(None))
+    )
+    footprints = {}
+    with compiles_to_read():
+        for schedule, order in itertools.product(("v-half", "1f1b"), STAGE_ORDERS):
+            plan = jaxaccum.plan_pipeline(
+                stage_fn,
+                loss_fn,
+                params,
+                make_batch(ROWS * 2),
+                mesh=mesh,
+                embed_fn=embed_fn,
+                data_axis="data",
+                repeats=2,
+                schedule=schedule,
+                stage_order=order,
+                memory_budget=2**40,
+                candidates=[8],
+                remat=False,
+            )
+            footprints[schedule, order] = plan.footprint_bytes
+    for schedule in ("v-half", "1f1b"):
+        held, relaid = footprints[schedule, "device"], footprints[schedule, "model"]
+        assert held < relaid, footprints
+    return ", ".join(f"{k}: {v} B" for k, v in footprints.items())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

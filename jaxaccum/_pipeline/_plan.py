@@ -43,6 +43,7 @@ from jaxaccum._types import (
     PipelinePlanKwargs,
     PyTree,
     ScheduleName,
+    StageOrder,
 )
 from jaxaccum._window import _split
 from jaxaccum._window._spec import NO_LOSS_SCALE
@@ -63,6 +64,7 @@ def plan_pipeline(
     data_axis: str | None = None,
     repeats: int = 1,
     schedule: ScheduleName | None = None,
+    stage_order: StageOrder = "model",
     candidates: Iterable[int] | None = None,
     key: PyTree = None,
     **options: Unpack[PipelinePlanKwargs],
@@ -98,6 +100,10 @@ def plan_pipeline(
       repeats: stages per device, as there.
       schedule: the one schedule to plan; None: every one built for
         ``repeats`` (zero-bubble takes ``repeats=1`` only).
+      stage_order: the stacked stages' order, as there: each schedule's
+        program is compiled in it (``"device"``: nothing relaid out; the
+        footprint depends on the shapes only, so one stack serves every
+        schedule's plan, though each runs its own order).
       candidates: the ``M`` to consider (with ``repeats > 1``, GPipe skips
         those below ``S``, which interleaved 1F1B plans).
         Default: ``S, 2S, 4S, ..., 32S``.
@@ -122,7 +128,9 @@ def plan_pipeline(
     """
     _refuse_window_size(options)
     budget = parse_memory_budget(memory_budget)
-    layout = PipelineLayout(stage_axis, data_axis, repeats, schedule or "gpipe")
+    layout = PipelineLayout(
+        stage_axis, data_axis, repeats, schedule or "gpipe", stage_order
+    )
     base = _base_options(options, layout, schedule)
     remats = (base.remat,) if "remat" in options else (False, True)
     configs = _configs(remats, schedule, repeats)
