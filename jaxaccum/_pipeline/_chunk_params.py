@@ -1,10 +1,12 @@
 """A device's ``R`` stages as its loop reads them: each op reads its
-chunk's parameters at a static index inside a ``lax.switch`` branch
-(XLA:CPU copies a dynamic slice that feeds a dot, every tick). In model
-order the step has relaid the stages out (a copy already) and they are
-split into ``R`` arrays before the loop; in device order they are the
-parameters as given, and each branch reads its row of the stack, so no
-copy of them is held through the loop."""
+chunk's parameters at a static index inside a ``lax.switch`` branch, never
+a dynamic slice at the tick's chunk (XLA:CPU copies a dynamic slice that
+feeds a dot, every tick). In model order the step has relaid the stages
+out (a copy already) and they are split into ``R`` arrays before the loop,
+each read whole. In device order they are the parameters as given and
+each branch slices its row of the stack: no copy of them is held through
+the loop (on XLA:CPU the static slice is a copy of the one chunk, made and
+freed in the op)."""
 
 from collections.abc import Callable
 from typing import Any, NamedTuple

@@ -99,8 +99,8 @@ def _key(device: Device, index: Any, repeat: Any) -> Any:
 def _on_chunk(device: Device, repeat: Any, fn: Any, *operands: Any) -> Any:
     """``fn(own, *operands)`` on the ``(1, ...)`` stage parameters of this
     device's ``repeat`` (:func:`~jaxaccum._pipeline._chunk_params.on_chunk`:
-    a ``lax.switch`` whose branch reads its chunk at a static index, no
-    parameter copied per tick)."""
+    a ``lax.switch`` whose branch reads its chunk at a static index, never
+    a dynamic slice of the stack)."""
     axes = axes_of(device)
 
     def run(own: Any, *ops: Any) -> Any:

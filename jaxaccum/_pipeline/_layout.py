@@ -14,7 +14,7 @@ from jaxaccum._pipeline._device import Shapes
 from jaxaccum._pipeline._schedule import Schedule
 from jaxaccum._pipeline._spec import PipelineWindow
 from jaxaccum._precision import _metadata
-from jaxaccum._types import Batch, Params, PyTree
+from jaxaccum._types import Batch, Params, PyTree, StageOrder
 from jaxaccum._window import _batch_nodes, _split
 from jaxaccum._window._fsdp import shard_plan
 from jaxaccum._window._mesh import check_mesh_type
@@ -225,7 +225,7 @@ class Prepared(NamedTuple):
     stage_axis: str
     like: tuple
     fsdp_dims: tuple
-    stage_order: str = "model"
+    stage_order: StageOrder = "model"
 
 
 def prepare(

@@ -27,7 +27,7 @@ class PipelineLayout:
       schedule: the name of a schedule in ``_schedules.SCHEDULES``.
       stage_order: how the ``S R`` stacked stages are ordered: ``"model"``
         (row ``i`` is model stage ``i``) or ``"device"`` (row ``d R + r`` is
-        the ``r``-th stage device ``d`` runs: :func:`stage_permutation`).
+        the ``r``-th stage device ``d`` runs: :func:`jaxaccum.pipeline_stage_order`).
     """
 
     stage_axis: str = "stage"
