@@ -151,10 +151,7 @@ def pipeline_value_and_grad(
       schedule: a :data:`jaxaccum.ScheduleName`: ``"gpipe"``, ``"1f1b"``
         (interleaved with ``R > 1``), ``"zero-bubble"`` (``repeats=1`` only),
         ``"v-zb"`` or ``"v-half"`` (V-shaped, ``repeats=2``): see the guide.
-      stage_order: ``"model"``: stage ``i`` of the stack is model stage ``i``;
-        ``"device"``: as the devices hold them
-        (:func:`jaxaccum.pipeline_stage_order`), so that with ``R > 1`` no
-        parameter is relaid out; the gradients come back in the same order.
+      stage_order: a :data:`jaxaccum.StageOrder`: ``"model"`` or ``"device"``.
       **options: the keyword options below; the others are refused, with why.
 
     Keyword Args:
@@ -166,8 +163,7 @@ def pipeline_value_and_grad(
       remat: ``True`` or a checkpoint policy: the loop saves only stage inputs.
       report_stats: also return a :class:`jaxaccum.WindowStats`.
       report_finite: also return a :class:`jaxaccum.FiniteReport`.
-      loss_scale: ``True``: the step takes ``loss_scale=``, as
-        :func:`jaxaccum.value_and_grad`.
+      loss_scale: ``True``: the step takes ``loss_scale=`` (as ``value_and_grad``).
       unroll: passed to ``jax.lax.scan``.
       conv_layout: as for :func:`jaxaccum.value_and_grad` (the stages' loop).
       param_gather: ``"auto"`` or ``"window"``: FSDP parameters gathered once.
