@@ -8,6 +8,10 @@ Run: python benchmarks/gpu.py            (the full preset, on a GPU; writes
                                          (model_classes.py's matrix: per model
                                           class, the window against the full
                                           batch; gpu_model_classes.json)
+     python benchmarks/gpu.py --pipeline [--smoke]
+                                         (pipeline_slots.py: each schedule's
+                                          window at this device's slot costs;
+                                          gpu_pipeline.json)
 
 The model is ``gpu_model.py``'s GPT-2-small-like decoder (111M parameters,
 12 layers, sequence 1024, vocabulary 32768, float32 parameters, bfloat16
@@ -81,6 +85,11 @@ def main() -> None:
         action="store_true",
         help="the model-class matrix (model_classes.py) instead of the decoder",
     )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the pipeline's schedules at this device's slot costs (pipeline_slots.py)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = "smoke" if args.smoke else "full"
@@ -89,6 +98,12 @@ def main() -> None:
 
         out = args.out or RESULTS / "gpu_model_classes.json"
         model_classes(["--out", str(out), *(["--quick"] if args.smoke else [])])
+        return
+    if args.pipeline:  # one process: each slot is compiled and timed alone
+        from pipeline_slots import main as pipeline_slots
+
+        out = args.out or RESULTS / "gpu_pipeline.json"
+        pipeline_slots(["--out", str(out), *(["--smoke"] if args.smoke else [])])
         return
     if args.worker is not None:
         from gpu_worker import run_job

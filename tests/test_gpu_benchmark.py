@@ -206,3 +206,23 @@ def test_model_class_matrix_smoke_runs_every_class(tmp_path):
     assert {"optax_microbatching", "multisteps", "unroll", "window_traced"} <= set(
         results["resnet_n2"]["seconds"]
     )
+
+
+def test_pipeline_slots_smoke_prices_every_schedule(tmp_path):
+    """gpu.py's pipeline preset (benchmarks/pipeline_slots.py) runs end to
+    end on CPU: every slot of a chunk, a stage and a stage with remat timed,
+    every schedule's window at those costs, and at the unit costs each
+    schedule's own modeled window (the tables read right)."""
+    results = _smoke(tmp_path / "pipeline.json", "--pipeline")
+    slots = {"forward", "backward_1f1b", "input_b", "weight_w"}
+    assert set(results["slot_ms"]) == {"chunk", "stage", "stage_remat"}
+    for kind, times in results["slot_ms"].items():
+        assert set(times) == slots, kind
+        assert all(t["min"] > 0 for t in times.values()), kind
+    schedules = {"1f1b", "1f1b_remat", "zero-bubble", "zero-bubble_remat"}
+    schedules |= {"interleaved", "v-zb", "v-half"}
+    for name, row in results["rows"].items():
+        assert row["unit_costs_match"], name
+        assert set(row["window_ms"]) == schedules, name
+        assert row["over_1f1b"]["1f1b"] == 1.0
+        assert all(ms > 0 for ms in row["window_ms"].values()), name
