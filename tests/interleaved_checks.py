@@ -192,6 +192,30 @@ def check_no_parameter_copies():
     )
 
 
+def check_device_order_reads_chunks_statically():
+    """At S = 4, R = 2 with the stages in device order (``stage_order=
+    "device"``: nothing relaid out, no all-to-all): the loop reads the
+    device's stack only by static slices (each op's chunk at its index, in
+    its branch; XLA:CPU copies that one chunk in the op), never a dynamic
+    slice at the tick's repeat, which would copy the stage every tick."""
+    stages, repeats = 4, 2
+    case = dataclasses.replace(
+        wide_case(stages, 2 * stages, repeats), schedule=SCHEDULE
+    )  # the shapes are the order's: compiled to be read, never run
+    step = pipelined(case, stage_order="device")
+    compiled = compile_to_read(jax.jit(step).lower(*case.placed))
+    stacks = set()
+    for leaf in jax.tree.leaves(case.params[1]):
+        rest = tuple(leaf.shape[1:])
+        stacks |= {(repeats, *rest), (repeats, 1, *rest)}
+    found = stack_slices_in_loop(compiled.as_text(), stacks)
+    dynamic = [line for line in found if " dynamic-slice(" in line]
+    assert found and not dynamic, found
+    moved = [c for c in find_collectives(compiled) if c.op == "all-to-all"]
+    assert not moved, moved
+    return f"{len(found)} static slices of the stack in the loop, none dynamic"
+
+
 def slot_flops(case: Case, ticks: int) -> float:
     """A device's FLOPs per tick (the scan unrolled) over the sequential
     model's per micro-batch: the share of the model one tick's forward and
@@ -251,6 +275,7 @@ CHECKS = {
     "against_1f1b": check_against_1f1b,
     "memory_and_flops": check_memory_and_flops,
     "no_parameter_copies": check_no_parameter_copies,
+    "device_order_reads_chunks_statically": check_device_order_reads_chunks_statically,
     "device_order_fsdp_R3": lambda: check_device_order("stage2_fsdp4_M5_R3", SCHEDULE),
     "device_order_circular_gpipe_auto_mesh": lambda: check_device_order(
         "stage4_data2_M8_R2", "gpipe", AxisType.Auto

@@ -175,6 +175,7 @@ CHECKS = [
     "interleaved_against_1f1b",
     "interleaved_memory_and_flops",
     "interleaved_no_parameter_copies",
+    "interleaved_device_order_reads_chunks_statically",
     "interleaved_device_order_fsdp_R3",
     "plan_pipeline_device_order",
     "interleaved_device_order_circular_gpipe_auto_mesh",
