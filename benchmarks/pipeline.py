@@ -62,19 +62,14 @@ import jax.numpy as jnp  # noqa: E402
 from common import RESULTS, spread, write_json  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from pipeline_slots import slot_programs  # noqa: E402
 
 import jaxaccum  # noqa: E402
 import jaxaccum.testing  # noqa: E402
 from jaxaccum._pipeline._1f1b import OneFOneB  # noqa: E402
-from jaxaccum._pipeline._1f1b_tick import backward, forward  # noqa: E402
 from jaxaccum._pipeline._spec import PipelineLayout, PipelineWindow  # noqa: E402
 from jaxaccum._pipeline._step import make_pipeline  # noqa: E402
 from jaxaccum._pipeline._zero_bubble import ZeroBubble  # noqa: E402
-from jaxaccum._pipeline._zero_bubble_split import (  # noqa: E402
-    input_part,
-    split_backward,
-    weight_part,
-)
 from jaxaccum.cli.harness import machine  # noqa: E402
 
 NUM_DEVICES = 8
@@ -372,32 +367,13 @@ def zero_bubble_slot_flops(remat: bool) -> dict:
     stage = jax.tree.map(lambda p: p[0], params[1])
     body = jax.checkpoint(stage_fn) if remat else stage_fn
     x = embed_fn(params[0], batch)
-    y, saved, pullback = forward(lambda g, x: body(g[0], x), (stage, None), x)
+    given = (stage, None)
+    programs, boundary, y = slot_programs(lambda g, x: body(g[0], x), given, x)
 
     def cost(fun, *args):
         return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
 
-    given = (stage, None)
-    leaves, tree = jax.tree.flatten((given, saved, y))
-
-    def flat(*leaves):
-        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
-
-    split = split_backward(flat, leaves, 1, 1)
-    boundary = input_part(split, leaves)[1]
-    flops_of = {
-        "forward": cost(
-            lambda g, x: forward(lambda g, x: body(g[0], x), g, x)[:2], given, x
-        ),
-        "backward_1f1b": cost(
-            lambda g, s, c: backward(pullback, g, s, c), given, saved, y
-        ),
-        "input_b": cost(lambda *a: input_part(split, a), *leaves),
-        "weight_w": cost(lambda a, b: weight_part(split, a, b), leaves, boundary),
-        "weight_dropped_input": cost(
-            lambda g, s, c: backward(pullback, g, s, c)[0][0], given, saved, y
-        ),
-    }
+    flops_of = {name: cost(fun, *args) for name, (fun, args) in programs.items()}
     ratios = {name: value / flops_of["forward"] for name, value in flops_of.items()}
     return {**ratios, "boundary_activations": sum(b.size for b in boundary) / y.size}
 

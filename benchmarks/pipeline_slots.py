@@ -25,7 +25,6 @@ Run: python benchmarks/gpu.py --pipeline [--smoke]   (on a GPU; writes
 """
 
 import argparse
-import functools
 import json
 import pathlib
 import time
@@ -51,6 +50,7 @@ from jaxaccum._pipeline._zero_bubble_split import (
 from jaxaccum.cli.harness import machine
 
 STAGES, MICROBATCHES = 4, (8, 16)
+SLOTS = ("forward", "backward_1f1b", "input_b", "weight_w")  # the ones timed
 PRESETS = {  # (decoder, rows of a micro-batch, repeats)
     "smoke": (Config(vocab=256, d_model=64, heads=4, layers=2, seq=32, batch=8), 2, 3),
     "full": (
@@ -73,6 +73,38 @@ def _timed(fun: Callable[..., Any], *args: Any, repeats: int) -> dict[str, float
     return spread(times)
 
 
+def slot_programs(stage: Callable, given: Any, x: Any) -> tuple[dict, list, Any]:
+    """Each slot's stage work as the schedules run it, ``{name: (fun,
+    args)}`` to compile alone: the forward (its residuals saved), 1F1B's
+    backward (the pullback whole), zero-bubble's B and W (the backward
+    split at its jaxpr), and the pullback with its input's cotangent
+    dropped (what W would cost without the split); with B's boundary (what
+    it stores for W) and the stage's output. ``stage(given, x)`` is one
+    stage; ``given`` is ``(parameters, key)``."""
+    y, saved, pullback = forward(stage, given, x)
+    leaves, tree = jax.tree.flatten((given, saved, y))
+
+    def flat(*leaves):
+        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
+
+    split = split_backward(flat, leaves, 1, 1)
+    boundary = input_part(split, leaves)[1]
+    programs = {
+        "forward": (lambda g, x: forward(stage, g, x)[:2], (given, x)),
+        "backward_1f1b": (
+            lambda g, s, c: backward(pullback, g, s, c),
+            (given, saved, y),
+        ),
+        "input_b": (lambda *a: input_part(split, a), tuple(leaves)),
+        "weight_w": (lambda a, b: weight_part(split, a, b), (leaves, boundary)),
+        "weight_dropped_input": (
+            lambda g, s, c: backward(pullback, g, s, c)[0][0],
+            (given, saved, y),
+        ),
+    }
+    return programs, boundary, y
+
+
 def slot_times(cfg: Config, rows: int, blocks: int, remat: bool, repeats: int):
     """Each slot of a stage of ``blocks`` decoder blocks on one micro-batch
     of ``rows`` sequences, as the loop runs it (milliseconds)."""
@@ -84,26 +116,13 @@ def slot_times(cfg: Config, rows: int, blocks: int, remat: bool, repeats: int):
         return x
 
     body = jax.checkpoint(stage) if remat else stage
-    call = functools.partial(lambda body, g, x: body(g[0], x), body)
     shape = (rows, cfg.seq, cfg.d_model)
     x = jax.random.normal(jax.random.key(1), shape).astype(COMPUTE)
-    given = (params, None)
-    y, saved, pullback = forward(call, given, x)
-    leaves, tree = jax.tree.flatten((given, saved, y))
-
-    def flat(*leaves):
-        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
-
-    split = split_backward(flat, leaves, 1, 1)
-    boundary = input_part(split, leaves)[1]
-    timed = functools.partial(_timed, repeats=repeats)
+    programs, _, _ = slot_programs(lambda g, x: body(g[0], x), (params, None), x)
     return {
-        "forward": timed(lambda g, x: forward(call, g, x)[:2], given, x),
-        "backward_1f1b": timed(
-            lambda g, s, c: backward(pullback, g, s, c), given, saved, y
-        ),
-        "input_b": timed(lambda *a: input_part(split, a), *leaves),
-        "weight_w": timed(lambda a, b: weight_part(split, a, b), leaves, boundary),
+        name: _timed(fun, *args, repeats=repeats)
+        for name, (fun, args) in programs.items()
+        if name in SLOTS
     }
 
 

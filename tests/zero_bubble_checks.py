@@ -6,6 +6,8 @@ measurements (temporaries against 1F1B's, FLOPs of each slot).
 
 import dataclasses
 import itertools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +36,7 @@ from pipeline_checks import (
 )
 
 from jaxaccum._pipeline._1f1b import OneFOneB
-from jaxaccum._pipeline._1f1b_tick import backward, forward
 from jaxaccum._pipeline._zero_bubble import ZeroBubble
-from jaxaccum._pipeline._zero_bubble_split import (
-    input_part,
-    split_backward,
-    weight_part,
-)
 
 SCHEDULE = "zero-bubble"
 
@@ -103,30 +99,23 @@ def slot_flops(remat: bool) -> dict[str, float]:
     def stage(given, x):
         return body(given[0], x)
 
-    given = (params, None)
-    y, saved, pullback = forward(stage, given, x)
+    programs, _, _ = _slot_programs()(stage, (params, None), x)
 
     def flops(fun, *args):
         return compile_to_read(jax.jit(fun).lower(*args)).cost_analysis()["flops"]
 
-    leaves, tree = jax.tree.flatten((given, saved, y))
+    return {name: flops(fun, *args) for name, (fun, args) in programs.items()}
 
-    def flat(*leaves):
-        return jax.tree.leaves(backward(pullback, *jax.tree.unflatten(tree, leaves)))
 
-    split = split_backward(flat, leaves, 1, 1)
-    boundary = input_part(split, leaves)[1]
-    return {
-        "forward": flops(lambda g, x: forward(stage, g, x)[:2], given, x),
-        "backward_1f1b": flops(
-            lambda g, s, c: backward(pullback, g, s, c), given, saved, y
-        ),
-        "input_b": flops(lambda *a: input_part(split, a), *leaves),
-        "weight_w": flops(lambda a, b: weight_part(split, a, b), leaves, boundary),
-        "weight_dropped_input": flops(
-            lambda g, s, c: backward(pullback, g, s, c)[0][0], given, saved, y
-        ),
-    }
+def _slot_programs():
+    """benchmarks/pipeline_slots.py's slot programs: the benchmarks' FLOPs
+    and times are measured on the same ones."""
+    benchmarks = str(pathlib.Path(__file__).parents[1] / "benchmarks")
+    if benchmarks not in sys.path:  # after tests/: nothing of theirs shadowed
+        sys.path.append(benchmarks)
+    from pipeline_slots import slot_programs  # noqa: PLC0415
+
+    return slot_programs
 
 
 def check_memory_and_slots():
