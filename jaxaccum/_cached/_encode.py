@@ -10,10 +10,9 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
-from jaxaccum._cached._library import CachedWindow
+from jaxaccum._cached._library import CachedWindow, explicit_sharding
 from jaxaccum._cached._roles import Encoder
 from jaxaccum._types import PyTree
-from jaxaccum._window._split import explicit_sharding
 
 # Names of mutable statistics in the encoder's outputs (Flax Linen's
 # collection; an NNX or Equinox BatchNorm's layer name).
