@@ -408,12 +408,12 @@ def test_bfloat16_outputs_meet_the_loss_and_its_cotangent_in_float32():
 
 def test_pass_one_keeps_nothing_but_the_outputs():
     """Pass 1 writes each micro-batch's outputs into their rows of the
-    batch's outputs in place, so where the loss dominates (the B x B logits;
-    towers of one layer, whose only residual is their output) the window
-    holds the full batch's temporaries and at most one micro-batch's
-    outputs besides (a tower's B / N x D, the scan's slice): no second copy
-    of the whole batch's outputs to put them in the batch's order (which
-    stacking them did: 1.125x the full batch's here)."""
+    batch's outputs in place, so where the loss dominates (the B x B logits
+    against towers of one layer) the window holds the full batch's
+    temporaries and at most one micro-batch's outputs besides (a tower's
+    B / N x D, the scan's slice): no second copy of the whole batch's
+    outputs to put them in the batch's order (which stacking them did:
+    1.125x the full batch's here)."""
     rows, features, dim, num = 1024, 256, 128, 8
     keys = jax.random.split(jax.random.key(0), 4)
     towers = ("image", "text")
