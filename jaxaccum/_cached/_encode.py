@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
-from jax.sharding import PartitionSpec
 
-from jaxaccum._cached._library import CachedWindow, explicit_sharding
+from jaxaccum._cached._library import CachedWindow, explicit_sharding, strided_view
 from jaxaccum._cached._roles import Encoder
 from jaxaccum._types import PyTree
 
@@ -67,16 +66,14 @@ def encode_window(
 
 def _columns(aval: Any, num: int) -> jax.Array:
     """Zeros of an output's ``(rows, ...)`` type with an axis of ``num``
-    columns after its rows: sharded as the output under an Explicit mesh,
-    varying over the manual axes it varies over (a device's window)."""
-    shape = (aval.shape[0], num, *aval.shape[1:])
-    sharding = explicit_sharding(aval)
-    if sharding is not None:
-        spec = (*sharding.spec, *(None,) * (len(aval.shape) - len(sharding.spec)))
-        sharding = sharding.update(spec=PartitionSpec(spec[0], None, *spec[1:]))
-    zeros = jnp.zeros(shape, aval.dtype, out_sharding=sharding)
+    columns after its rows: the strided view of ``rows N`` zeros (sharded as
+    the output under an Explicit mesh), varying over the manual axes the
+    output varies over (a device's window)."""
+    shape = (aval.shape[0] * num, *aval.shape[1:])
+    zeros = jnp.zeros(shape, aval.dtype, out_sharding=explicit_sharding(aval))
+    (columns,) = strided_view([zeros], num)
     varying = tuple(sorted(aval.manual_axis_type.varying))
-    return lax.pcast(zeros, varying, to="varying") if varying else zeros
+    return lax.pcast(columns, varying, to="varying") if varying else columns
 
 
 def check_outputs(outputs: PyTree, window: CachedWindow) -> None:
